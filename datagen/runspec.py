@@ -1,0 +1,148 @@
+"""The run spec: what one run should do. It is the flow parameter, so the Prefect UI renders it as a form.
+
+Every default lives here (Prefect merges run parameters shallowly: a run that sets one nested
+field gets the model's defaults for the rest, never a deployment's).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = ["PromptSource", "QualityGate", "RunSpec", "SamplingSpec", "ValidationSpec"]
+
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class PromptSource(BaseModel):
+    """One prompt source: a local file or a Hugging Face dataset."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(
+        ...,
+        description=(
+            "Local .jsonl/.json/.parquet file, a directory of them, or a Hugging Face dataset name "
+            "(loaded through `datasets`; offline works for local files)."
+        ),
+    )
+    name: str | None = Field(None, description="Source label recorded with every sample; defaults to the file stem.")
+    format: Literal["auto", "sharegpt", "openai", "alpaca"] = Field(
+        "auto", description="Conversation format; auto-detected per row when 'auto'."
+    )
+    split: str = Field("train", description="Dataset split (Hugging Face datasets only).")
+    category_field: str | None = Field(
+        None, description="Row field holding a category label (e.g. 'category'), used for mix reports and caps."
+    )
+    max_rows: int | None = Field(None, ge=1, description="Read at most this many rows from the source.")
+
+
+class SamplingSpec(BaseModel):
+    """Sampling parameters sent to the server with every request."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int = Field(8192, ge=1, description="Maximum generated tokens per completion (thinking included).")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="Sampling temperature.")
+    top_p: float = Field(0.95, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
+    top_k: int = Field(20, description="Top-k sampling; -1 means all tokens.")
+    enable_thinking: bool = Field(True, description="Render the prompt with thinking on (Qwen3.6 default).")
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v != -1 and v < 1:
+            raise ValueError("top_k must be >= 1 or -1 (all tokens)")
+        return v
+
+
+class ValidationSpec(BaseModel):
+    """Per-sample checks: a sample failing one becomes a reject row with that reason."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_answer_tokens: int = Field(8, ge=0, description="Answers (after </think>) shorter than this are rejected.")
+    reject_truncated: bool = Field(True, description="Reject completions cut at max_new_tokens.")
+    max_repeated_ngram_share: float = Field(
+        0.5, gt=0.0, le=1.0, description="Reject when this share of the completion's 8-grams are repeats (loops)."
+    )
+    reject_duplicate_completions: bool = Field(True, description="Reject identical completions for different prompts.")
+
+
+class QualityGate(BaseModel):
+    """Dataset-level checks that must pass before anything is published."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_reject_rate: float = Field(0.2, ge=0.0, le=1.0, description="Fail the run when more samples are rejected.")
+    short_loss_tokens: int = Field(16, ge=0, description="A sample with at most this many loss tokens counts as short.")
+    max_short_share: float = Field(0.05, ge=0.0, le=1.0, description="Fail when more samples than this are short.")
+    min_median_completion_tokens: int = Field(32, ge=0, description="Fail when the median completion is shorter.")
+    max_source_share: float = Field(1.0, gt=0.0, le=1.0, description="Fail when one source exceeds this share.")
+    max_category_share: float = Field(1.0, gt=0.0, le=1.0, description="Fail when one category exceeds this share.")
+
+
+class RunSpec(BaseModel):
+    """What this run should do: prompts, model, sampling, sharding and where the dataset goes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sources: list[PromptSource] = Field(
+        default_factory=lambda: [PromptSource(path="data/prompts")],
+        description="Prompt sources, read in order.",
+    )
+    model_path: str = Field(
+        "/dev/shm/Qwen3.6-27B",
+        description="Model directory on the GPU box; its tokenizer and chat template are used for every prompt.",
+    )
+    served_model_name: str = Field("qwen3.6-27b", description="Name the servers report (no ':').")
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="Sampling parameters.")
+    shard_size: int = Field(1000, ge=1, description="Prompts per shard (unit of checkpointing and caching).")
+    namespace: str = Field(
+        "expansion_v1",
+        description="Output namespace in the bucket; must not hold data already (publishing never overwrites).",
+    )
+    validation: ValidationSpec = Field(default_factory=ValidationSpec, description="Per-sample checks.")
+    quality_gate: QualityGate = Field(default_factory=QualityGate, description="Dataset-level checks before publish.")
+    server_args: list[str] = Field(
+        default_factory=list, description="Extra launch flags for every server (checked against the engine's --help)."
+    )
+    max_prompt_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Reject prompts longer than this; default: context length minus max_new_tokens.",
+    )
+    context_length: int = Field(262144, ge=1, description="Model context length (prompt + completion must fit).")
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, v: str) -> str:
+        if not _NAMESPACE_RE.match(v) or ".." in v:
+            raise ValueError(
+                "namespace must be 1-128 characters of letters, digits, '.', '_' or '-', starting with a letter or digit"
+            )
+        return v
+
+    @field_validator("served_model_name")
+    @classmethod
+    def _served_name(cls, v: str) -> str:
+        if ":" in v:
+            raise ValueError("served_model_name must not contain ':' (SGLang reads it as base:lora-adapter)")
+        return v
+
+    @model_validator(mode="after")
+    def _fits(self) -> RunSpec:
+        if self.sampling.max_new_tokens >= self.context_length:
+            raise ValueError(
+                f"sampling.max_new_tokens ({self.sampling.max_new_tokens}) leaves no room for a prompt "
+                f"in context_length ({self.context_length})"
+            )
+        return self
+
+    @property
+    def prompt_token_limit(self) -> int:
+        """Longest prompt (in tokens) that can still be sent."""
+        fit = self.context_length - self.sampling.max_new_tokens
+        return min(fit, self.max_prompt_tokens) if self.max_prompt_tokens else fit

@@ -1,0 +1,62 @@
+"""Infrastructure settings: where things are and how to reach them (not what a run should do).
+
+Sources, highest priority first: init arguments > environment (`DATAGEN_*`) > `.env` file >
+defaults. Secrets are `SecretStr`: they never appear in logs, reprs, flow parameters or task results.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["Settings"]
+
+
+class Settings(BaseSettings):
+    """Endpoints, credentials and machine facts for one box; read from the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="DATAGEN_", env_file=".env", extra="ignore")
+
+    # --- S3 -------------------------------------------------------------------------------
+    s3_endpoint_url: str | None = Field(
+        None, description="S3 endpoint URL; None means AWS's default endpoint for the region."
+    )
+    s3_bucket: str = Field("datagen", description="Bucket that receives published datasets.")
+    s3_region: str = Field("us-east-1", description="S3 region name.")
+    s3_access_key_id: SecretStr = Field(SecretStr(""), description="S3 access key id.")
+    s3_secret_access_key: SecretStr = Field(SecretStr(""), description="S3 secret access key.")
+    s3_prefix: str = Field("", description="Key prefix under which every run namespace lives (e.g. 'datasets/').")
+
+    # --- Generation servers ----------------------------------------------------------------
+    engine: Literal["sglang", "standin"] = Field(
+        "sglang",
+        description="What the pipeline launches: real SGLang, or the project's CPU stand-in (tests, demo).",
+    )
+    engine_python: str = Field(
+        "python",
+        description="Python interpreter of the engine's environment (SGLang often lives in its own venv).",
+    )
+    server_urls: list[str] = Field(
+        default_factory=list,
+        description="Attach mode: URLs of servers managed elsewhere. Empty means the pipeline starts its own.",
+    )
+    num_servers: int = Field(8, ge=1, description="Servers to start, one per GPU (ignored in attach mode).")
+    server_host: str = Field("127.0.0.1", description="Address started servers bind to.")
+    base_port: int = Field(30000, ge=1, le=65535, description="Port of server 0; server i listens on base_port+i.")
+    sglang_api_key: SecretStr | None = Field(
+        None, description="API key for the servers; when None, a random key is made for servers the pipeline starts."
+    )
+    server_start_timeout_s: float = Field(1800.0, gt=0, description="How long a server may take to become healthy.")
+
+    # --- Local state -------------------------------------------------------------------------
+    work_dir: Path = Field(Path(".datagen"), description="Checkpoints, server logs and Prefect task results.")
+
+    # --- Environment checks ------------------------------------------------------------------
+    skip_gpu_checks: bool = Field(False, description="Skip (and report as skipped) the GPU probe: laptops, CI.")
+    allowed_compute_capabilities: list[str] = Field(
+        default_factory=lambda: ["12.0"], description="Compute capabilities the GPUs must have."
+    )
+    require_tmpfs_model: bool = Field(True, description="Require the model directory to live on tmpfs.")
