@@ -121,7 +121,8 @@ class RunSpec(BaseModel):
     def _namespace(cls, v: str) -> str:
         if not _NAMESPACE_RE.match(v) or ".." in v:
             raise ValueError(
-                "namespace must be 1-128 characters of letters, digits, '.', '_' or '-', starting with a letter or digit"
+                "namespace must be 1-128 characters of letters, digits, '.', '_' or '-', "
+                "starting with a letter or digit"
             )
         return v
 

@@ -1,0 +1,129 @@
+"""The model's tokenizer and chat template, loaded from its directory (one object per model)."""
+
+from __future__ import annotations
+
+import hashlib
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from datagen.records import Message
+
+__all__ = [
+    "ENDOFTEXT_ID",
+    "IM_END_ID",
+    "IM_START_ID",
+    "THINK_END_ID",
+    "THINK_START_ID",
+    "ChatTokenizer",
+    "TemplateError",
+]
+
+ENDOFTEXT_ID = 248044
+IM_START_ID = 248045
+IM_END_ID = 248046
+THINK_START_ID = 248068
+THINK_END_ID = 248069
+
+
+class TemplateError(ValueError):
+    """The chat template refused a conversation (e.g. a system message that is not first)."""
+
+
+def _sha(*parts: bytes) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(hashlib.sha256(p).digest())
+    return h.hexdigest()[:16]
+
+
+class ChatTokenizer:
+    """Renders conversations with the checkpoint's own chat template and maps text <-> token ids."""
+
+    def __init__(self, model_dir: Path, hf_tokenizer: Any) -> None:
+        self.model_dir = model_dir
+        self._hf = hf_tokenizer
+        # The Rust tokenizer does the encoding/decoding; transformers only renders the template.
+        self._fast = hf_tokenizer.backend_tokenizer
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path) -> ChatTokenizer:
+        """Load tokenizer.json, tokenizer_config.json and the chat template from a model directory."""
+        from transformers import AutoTokenizer
+
+        model_dir = Path(path)
+        if not (model_dir / "tokenizer.json").exists():
+            raise FileNotFoundError(f"{model_dir}: no tokenizer.json (is the model staged there?)")
+        hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        if not getattr(hf, "chat_template", None):
+            raise FileNotFoundError(f"{model_dir}: no chat template in tokenizer_config.json or chat_template.jinja")
+        return cls(model_dir, hf)
+
+    @property
+    def chat_template(self) -> str:
+        template = self._hf.chat_template
+        assert isinstance(template, str)
+        return template
+
+    @cached_property
+    def template_hash(self) -> str:
+        """Short sha256 of the chat template text."""
+        return _sha(self.chat_template.encode("utf-8"))
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Short sha256 over config.json, tokenizer.json and the chat template: the model's identity here."""
+        parts = [
+            (self.model_dir / name).read_bytes()
+            for name in ("config.json", "tokenizer.json")
+            if (self.model_dir / name).exists()
+        ]
+        return _sha(*parts, self.chat_template.encode("utf-8"))
+
+    def render(self, messages: list[Message], enable_thinking: bool = True) -> str:
+        """The prompt text for generating the next assistant turn (generation prompt included)."""
+        return self._apply(messages, add_generation_prompt=True, enable_thinking=enable_thinking)
+
+    def render_conversation(self, messages: list[Message], enable_thinking: bool = True) -> str:
+        """A whole conversation (ending with an assistant turn), without a generation prompt."""
+        return self._apply(messages, add_generation_prompt=False, enable_thinking=enable_thinking)
+
+    def _apply(self, messages: list[Message], *, add_generation_prompt: bool, enable_thinking: bool) -> str:
+        try:
+            text = self._hf.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                enable_thinking=enable_thinking,
+            )
+        except Exception as exc:  # jinja2 raise_exception surfaces as TemplateError/ValueError
+            raise TemplateError(str(exc)) from exc
+        assert isinstance(text, str)
+        return text
+
+    def prompt_ids(self, messages: list[Message], enable_thinking: bool = True) -> list[int]:
+        """Token ids of the rendered prompt."""
+        return self.encode(self.render(messages, enable_thinking))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special tokens written in the text map to their ids, nothing is added."""
+        ids: list[int] = self._fast.encode(text, add_special_tokens=False).ids
+        return ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of many texts (parallel in the Rust tokenizer)."""
+        return [e.ids for e in self._fast.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Text of token ids."""
+        text: str = self._fast.decode(ids, skip_special_tokens=skip_special_tokens)
+        return text
+
+    def token_count(self, text: str) -> int:
+        """Number of tokens in `text`."""
+        return len(self.encode(text))
+
+    @property
+    def vocab_size(self) -> int:
+        size: int = self._fast.get_vocab_size(with_added_tokens=True)
+        return size
