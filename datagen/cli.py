@@ -1,0 +1,203 @@
+"""The `datagen` command line: run the flow, run the environment checks, run the demo, manage the local stack."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+__all__ = ["apply_overrides", "load_spec", "main"]
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_STACK_DIR = Path(".datagen") / "stack"
+
+
+def _quiet_prefect_defaults() -> None:
+    # Offline machines: no analytics; keep Prefect's state inside the project unless told otherwise.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_HOME", str(Path(".datagen") / "prefect"))
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides (values parsed as YAML) to a nested dict."""
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. sampling.max_new_tokens=4096")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"--set {item!r}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = yaml.safe_load(raw)
+    return data
+
+
+def load_spec(config: Path | None, overrides: list[str]) -> Any:
+    """Read a run spec from a YAML/JSON file plus overrides; exits with a clear message when invalid."""
+    from datagen.runspec import RunSpec
+
+    data: dict[str, Any] = {}
+    if config is not None:
+        if not config.exists():
+            raise SystemExit(f"datagen: config file {config} does not exist")
+        loaded = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
+        if not isinstance(loaded, dict):
+            raise SystemExit(f"datagen: {config}: expected a mapping of run-spec fields at the top level")
+        data = loaded
+    try:
+        data = apply_overrides(data, overrides)
+        return RunSpec.model_validate(data)
+    except (ValueError, ValidationError) as exc:
+        raise SystemExit(f"datagen: invalid run spec ({config or 'defaults'}):\n{exc}") from None
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    _quiet_prefect_defaults()
+    spec = load_spec(args.config, args.set)
+    from flows.expand_dataset import expand_dataset
+
+    report = expand_dataset(spec, dry_run=args.dry_run)
+    print(report["uri"])
+    return 0
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    spec = load_spec(args.config, args.set)
+    from datagen.settings import Settings
+    from datagen.storage import ObjectStore, s3_preflight
+    from tasks.environment import format_report, run_checks
+
+    settings = Settings()
+    store = ObjectStore.from_settings(settings)
+    results = run_checks(settings, spec, s3_check=lambda: s3_preflight(store, spec.namespace, resume=args.resume))
+    print(format_report(results))
+    return 1 if any(r.failed for r in results) else 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    """Run the whole pipeline on the bundled prompts: local S3, stand-in servers, embedded Prefect."""
+    _quiet_prefect_defaults()
+    from datagen import localstack
+    from datagen.model_fixture import ensure_model_dir
+    from datagen.runspec import PromptSource, RunSpec
+
+    model_dir = ensure_model_dir()
+    state_dir = args.state_dir
+    was_running = localstack.is_running(state_dir)
+    info = localstack.start(state_dir)
+    try:
+        os.environ.update(info.env())
+        os.environ.update(
+            {
+                "DATAGEN_ENGINE": "standin",
+                "DATAGEN_NUM_SERVERS": str(args.servers),
+                "DATAGEN_BASE_PORT": str(_free_port()),
+                "DATAGEN_SKIP_GPU_CHECKS": "true",
+                "DATAGEN_REQUIRE_TMPFS_MODEL": "false",
+                "DATAGEN_SERVER_START_TIMEOUT_S": "120",
+            }
+        )
+        namespace = args.namespace or time.strftime("demo-%Y%m%d-%H%M%S")
+        spec = RunSpec(
+            sources=[PromptSource(path=str(REPO_ROOT / "data" / "prompts"))],
+            model_path=str(model_dir),
+            namespace=namespace,
+            shard_size=50,
+            context_length=32768,
+        )
+        spec = spec.model_copy(update={"sampling": spec.sampling.model_copy(update={"max_new_tokens": 4096})})
+        from flows.expand_dataset import expand_dataset
+
+        report = expand_dataset(spec)
+        print(f"\nPublished {report['rows']} rows ({report['rejects']} rejects) from {report['prompts']} prompts.")
+        print(report["uri"])
+        return 0
+    finally:
+        if not was_running and not args.keep_stack:
+            localstack.stop(state_dir)
+
+
+def _cmd_stack(args: argparse.Namespace) -> int:
+    from datagen import localstack
+
+    if args.action == "up":
+        info = localstack.start(args.state_dir)
+        print(f"local S3 at {info.endpoint_url}, bucket {info.bucket}; settings in {info.env_file}")
+    elif args.action == "down":
+        localstack.stop(args.state_dir)
+        print("local S3 stopped")
+    else:
+        print("running" if localstack.is_running(args.state_dir) else "stopped")
+    return 0
+
+
+def _cmd_fixture(args: argparse.Namespace) -> int:
+    from datagen.model_fixture import ensure_model_dir
+
+    print(ensure_model_dir(args.out))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser for `datagen`."""
+    parser = argparse.ArgumentParser(prog="datagen", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def spec_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--config", type=Path, help="YAML or JSON file with run-spec fields")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. shard_size=500")
+
+    run = sub.add_parser("run", help="run the expand-dataset flow")
+    spec_args(run)
+    run.add_argument("--dry-run", action="store_true", help="do everything but write to S3; list what would be written")
+    run.set_defaults(func=_cmd_run)
+
+    check = sub.add_parser("check", help="run only the environment checks; exit 1 if one fails")
+    spec_args(check)
+    check.add_argument("--resume", action="store_true", help="allow a namespace that already holds this run's data")
+    check.set_defaults(func=_cmd_check)
+
+    demo = sub.add_parser("demo", help="end-to-end demo on the bundled prompts (local S3 + stand-in servers)")
+    demo.add_argument("--namespace", help="output namespace (default demo-<timestamp>)")
+    demo.add_argument("--servers", type=int, default=2, help="stand-in servers to start")
+    demo.add_argument("--state-dir", type=Path, default=DEFAULT_STACK_DIR, help="local stack state directory")
+    demo.add_argument("--keep-stack", action="store_true", help="leave the local S3 server running afterwards")
+    demo.set_defaults(func=_cmd_demo)
+
+    stack = sub.add_parser("stack", help="start, stop or query the local S3 server")
+    stack.add_argument("action", choices=["up", "down", "status"])
+    stack.add_argument("--state-dir", type=Path, default=DEFAULT_STACK_DIR)
+    stack.set_defaults(func=_cmd_stack)
+
+    fixture = sub.add_parser("fixture", help="build the local Qwen3.6-style model directory (no weights)")
+    fixture.add_argument("--out", type=Path, default=None)
+    fixture.set_defaults(func=_cmd_fixture)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `datagen` console script."""
+    args = build_parser().parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

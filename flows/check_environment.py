@@ -1,0 +1,28 @@
+"""The `check-environment` flow: only the environment checks, as a report artifact (nothing is started)."""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_table_artifact
+
+from datagen.runspec import RunSpec
+from datagen.settings import Settings
+from datagen.storage import ObjectStore, s3_preflight
+from tasks import environment
+
+__all__ = ["check_environment"]
+
+
+@flow(name="check-environment")
+def check_environment(spec: RunSpec = RunSpec(), resume: bool = False) -> list[dict[str, str]]:  # noqa: B008
+    """Run every environment check for `spec` on this box; fail the run if one fails."""
+    settings = Settings()
+    store = ObjectStore.from_settings(settings)
+    results = environment.run_checks(settings, spec, s3_check=lambda: s3_preflight(store, spec.namespace, resume))
+    rows = environment.report_rows(results)
+    create_table_artifact(table=rows, key="environment-report", description="Environment checks")
+    get_run_logger().info("\n%s", environment.format_report(results))
+    failed = [r for r in results if r.failed]
+    if failed:
+        raise RuntimeError("environment checks failed:\n" + "\n".join(f"- {r.name}: {r.detail}" for r in failed))
+    return rows

@@ -1,0 +1,196 @@
+"""The `expand-dataset` flow: prompts in, a validated, tokenized dataset published to S3 out.
+
+The flow body only orchestrates. Stage bodies are plain functions in `tasks/`; this module wraps
+each once with `task(...)`, where names, retries and caching are visible together. Tasks pass
+references (paths, counts, checksums), never the records themselves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import (
+    create_link_artifact,
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from prefect.cache_policies import NO_CACHE
+from prefect.context import TaskRunContext
+from prefect.futures import PrefectFuture, as_completed
+from prefect.task_runners import ThreadPoolTaskRunner
+from pydantic import SecretStr
+
+import datagen
+from datagen.chat import ChatTokenizer
+from datagen.checks import CheckResult
+from datagen.engine.dispatcher import Dispatcher
+from datagen.layout import RunLayout
+from datagen.runspec import RunSpec
+from datagen.settings import Settings
+from datagen.storage import ObjectStore, s3_preflight
+from tasks import environment, generation, planning, provisioning, publishing, tokenization, validation
+
+__all__ = ["EnvironmentCheckFailed", "expand_dataset"]
+
+log = logging.getLogger(__name__)
+
+# How many shards are in flight at once. Every in-flight shard feeds all its requests to the one
+# dispatcher, so the servers stay full across shard boundaries; more only costs memory.
+SHARDS_IN_FLIGHT = 4
+
+
+class EnvironmentCheckFailed(RuntimeError):
+    """One or more environment checks failed; nothing was started."""
+
+
+def _generation_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
+    """Content key of a shard's generation: survives new flow runs (unlike Prefect's default policy)."""
+    spec: RunSpec = parameters["spec"]
+    request_params = json.dumps(
+        {"sampling": spec.sampling.model_dump(), "fingerprint": parameters["model_fingerprint"]}, sort_keys=True
+    )
+    digest = hashlib.sha256(request_params.encode()).hexdigest()[:16]
+    return f"generate-{spec.namespace}-{parameters['plan_sha256'][:16]}-{digest}-shard-{parameters['shard_id']:05d}"
+
+
+def _check_environment(settings: Settings, spec: RunSpec, store: ObjectStore) -> list[CheckResult]:
+    results = environment.run_checks(settings, spec, s3_check=lambda: s3_preflight(store, spec.namespace, resume=True))
+    create_table_artifact(
+        table=environment.report_rows(results),
+        key="environment-report",
+        description=f"Environment checks for namespace {spec.namespace}",
+    )
+    failed = [r for r in results if r.failed]
+    if failed:
+        raise EnvironmentCheckFailed(
+            "environment checks failed:\n" + "\n".join(f"- {r.name}: {r.detail}" for r in failed)
+        )
+    return results
+
+
+def _generate_shard(
+    shard_id: int,
+    plan_sha256: str,
+    model_fingerprint: str,
+    spec: RunSpec,
+    layout: RunLayout,
+    dispatcher: Dispatcher,
+    chat: ChatTokenizer,
+) -> generation.ShardResult:
+    return generation.generate_shard(shard_id, layout, dispatcher, chat, spec)
+
+
+check_environment_task = task(_check_environment, name="check environment", cache_policy=NO_CACHE)
+plan_task = task(planning.plan_shards, name="plan shards", cache_policy=NO_CACHE)
+generate_shard_task = task(
+    _generate_shard,
+    name="generate",
+    task_run_name="generate shard-{shard_id:05d}",
+    cache_key_fn=_generation_cache_key,
+    persist_result=True,
+    retries=2,
+    retry_delay_seconds=[10, 60],
+)
+validate_task = task(validation.validate_shards, name="validate", cache_policy=NO_CACHE)
+gate_task = task(validation.check_quality_gate, name="quality gate", cache_policy=NO_CACHE)
+tokenize_task = task(tokenization.tokenize_accepted, name="tokenize", cache_policy=NO_CACHE)
+publish_task = task(publishing.publish, name="publish", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)
+
+
+@flow(
+    name="expand-dataset",
+    task_runner=ThreadPoolTaskRunner(max_workers=SHARDS_IN_FLIGHT),
+    log_prints=True,
+)
+def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str, Any]:  # noqa: B008
+    """Generate completions for a prompt set, validate, tokenize and publish them (never overwriting)."""
+    logger = get_run_logger()
+    settings = Settings()
+    layout = RunLayout.for_run(settings.work_dir, spec.namespace)
+    layout.root.mkdir(parents=True, exist_ok=True)
+    store = ObjectStore.from_settings(settings)
+    started = time.monotonic()
+
+    check_environment_task(settings, spec, store)
+    chat = ChatTokenizer.from_model_dir(spec.model_path)
+    plan = plan_task(spec, layout)
+    logger.info("planned %d prompts in %d shards (%d load rejects)", plan.n_prompts, len(plan.shard_ids), plan.n_load_rejects)
+
+    api_key = settings.sglang_api_key or SecretStr(secrets.token_urlsafe(24))
+    shard_results: list[generation.ShardResult] = []
+    with provisioning.provision(settings, spec, layout, api_key) as fleet:
+        progress_id = create_progress_artifact(progress=0.0, key="generation-progress", description="shards done (%)")
+        with Dispatcher(fleet.endpoints, on_server_down=fleet.restart) as dispatcher:
+            futures: list[PrefectFuture[generation.ShardResult]] = [
+                generate_shard_task.with_options(result_storage=layout.root / "task-results").submit(
+                    shard_id, plan.plan_sha256, chat.fingerprint, spec, layout, dispatcher, chat
+                )
+                for shard_id in plan.shard_ids
+            ]
+            for future in as_completed(futures):
+                shard_results.append(future.result())
+                update_progress_artifact(artifact_id=progress_id, progress=100.0 * len(shard_results) / len(futures))
+                logger.info("%s", dispatcher.stats().summary_line())
+        server_version = fleet.engine_version
+
+    shard_results.sort(key=lambda r: r.shard_id)
+    summary = validate_task(
+        [Path(r.completions_path) for r in shard_results],
+        layout.validated_dir,
+        spec.validation,
+        spec.sampling.enable_thinking,
+    )
+    upstream_rejects = plan.n_load_rejects + sum(r.n_rejected for r in shard_results)
+    gate = gate_task(summary, spec.quality_gate, upstream_rejects)
+    create_markdown_artifact(
+        markdown=validation.render_validation_report(summary, gate), key="validation-report", description="Validation"
+    )
+    if not gate.passed:
+        raise validation.QualityGateError(gate.text)
+
+    tokenized = tokenize_task(
+        summary.accepted_paths,
+        layout.staging_dir,
+        chat,
+        spec.sampling.enable_thinking,
+        extra_reject_paths=[layout.load_rejects, *(Path(r.rejects_path) for r in shard_results), *summary.reject_paths],
+    )
+    lineage = {
+        "run_spec": spec.model_dump(mode="json"),
+        "model_path": spec.model_path,
+        "model_fingerprint": chat.fingerprint,
+        "chat_template_hash": chat.template_hash,
+        "engine": settings.engine,
+        "engine_version": server_version,
+        "pipeline_version": datagen.__version__,
+        "plan_sha256": plan.plan_sha256,
+        "rows": tokenized.n_rows,
+        "rejects": tokenized.n_rejects,
+    }
+    published = publish_task(layout.staging_dir, spec.namespace, store, lineage, dry_run=dry_run)
+    create_link_artifact(link=published.uri, link_text=f"dataset {spec.namespace}", key="published-dataset")
+    elapsed = time.monotonic() - started
+    report = {
+        "uri": published.uri,
+        "rows": tokenized.n_rows,
+        "rejects": tokenized.n_rejects,
+        "prompts": plan.n_prompts,
+        "shards": len(plan.shard_ids),
+        "output_tokens": sum(r.output_tokens for r in shard_results),
+        "wall_s": round(elapsed, 1),
+        "dry_run": dry_run,
+    }
+    create_markdown_artifact(
+        markdown="# Run report\n\n" + "\n".join(f"- **{k}**: {v}" for k, v in report.items()), key="run-report"
+    )
+    logger.info("published %s", published.uri)
+    return report
