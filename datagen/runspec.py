@@ -90,7 +90,7 @@ class RunSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     sources: list[PromptSource] = Field(
-        default_factory=lambda: [PromptSource(path="data/prompts")],
+        default_factory=lambda: [PromptSource(path="data/prompts", category_field="category")],
         description="Prompt sources, read in order.",
     )
     model_path: str = Field(

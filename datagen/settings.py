@@ -45,7 +45,12 @@ class Settings(BaseSettings):
     )
     num_servers: int = Field(8, ge=1, description="Servers to start, one per GPU (ignored in attach mode).")
     server_host: str = Field("127.0.0.1", description="Address started servers bind to.")
-    base_port: int = Field(30000, ge=1, le=65535, description="Port of server 0; server i listens on base_port+i.")
+    base_port: int = Field(
+        30000,
+        ge=0,
+        le=65535,
+        description="Port of server 0; server i listens on base_port+i. 0 picks free ports (tests, demo).",
+    )
     sglang_api_key: SecretStr | None = Field(
         None, description="API key for the servers; when None, a random key is made for servers the pipeline starts."
     )

@@ -1,0 +1,556 @@
+"""Prompt sources streamed as prompts: local JSONL/JSON/parquet files, directories of them, Hugging Face datasets.
+
+Every row read becomes exactly one `Prompt` or one load `Reject` whose detail says where and what is wrong
+(`file:line` for JSON lines and JSON lists, `file:row N` for parquet and `datasets` rows). Problems that are
+not about a row (missing file, unsupported file type, a dataset that cannot be opened) raise
+`PromptSourceError` before anything is read, so a bad config fails fast.
+
+Formats, detected per row unless the source names one:
+- ShareGPT: `{"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}`
+- OpenAI: `{"messages": [{"role": "user"|"assistant"|"system", "content": str | [{"type": "text", "text": str}]}]}`
+- Alpaca: `{"instruction": str, "input": str?, "output": ignored, "system": str?}`
+
+A trailing assistant turn is dropped (it is what we regenerate); earlier turns and a leading system prompt
+are kept; the last kept turn must be a user turn.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from datagen.records import Message, Prompt, Reject, prompt_id_for
+from datagen.runspec import PromptSource
+
+__all__ = ["LOAD_REJECT_REASONS", "LOCAL_SUFFIXES", "PromptSourceError", "iter_prompts"]
+
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+# Every reason a row can be rejected with at load time (the `reason` of a load `Reject`).
+LOAD_REJECT_REASONS = frozenset(
+    {
+        "invalid_json",
+        "invalid_utf8",
+        "not_an_object",
+        "unknown_format",
+        "missing_field",
+        "wrong_type",
+        "empty_conversation",
+        "empty_user_content",
+        "empty_assistant_content",
+        "unsupported_role",
+        "unknown_role",
+        "non_text_content",
+        "system_not_first",
+        "multiple_system",
+        "no_user_turn",
+        "last_turn_not_user",
+        "duplicate_prompt",
+    }
+)
+
+_USER_ROLES = frozenset({"human", "user"})
+_ASSISTANT_ROLES = frozenset({"gpt", "assistant", "chatgpt", "model"})
+# OpenAI's "developer" role is its newer name for the system prompt.
+_SYSTEM_ROLES = frozenset({"system", "developer"})
+_TOOL_ROLES = frozenset(
+    {"tool", "function", "function_call", "function_response", "tool_call", "tool_response", "observation", "ipython"}
+)
+# Hub ids are "name" or "owner/name"; anything else that does not exist locally is a missing local path.
+_HUB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
+_WS_RE = re.compile(r"[ \t\r\n]*")
+
+_JSON_CHUNK_CHARS = 1 << 20
+# A single row of a JSON list larger than this is taken as a broken file rather than read on into memory.
+_JSON_MAX_ROW_CHARS = 64 << 20
+_PARQUET_BATCH_ROWS = 1024
+
+
+class PromptSourceError(ValueError):
+    """A prompt source cannot be read at all (missing path, unsupported file type, dataset not loadable)."""
+
+
+class _RowError(Exception):
+    """One row is not a usable prompt; becomes a load `Reject` with this reason."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class _Unreadable:
+    """A row whose bytes could not be parsed (it still counts as a row and gets a reject)."""
+
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Unit:
+    """One stream of rows: a file, a saved dataset or a hub dataset, with the source label its rows get."""
+
+    label: str
+    rows: Callable[[], Iterator[tuple[str, Any]]]  # yields (where, row or _Unreadable)
+
+
+def iter_prompts(sources: list[PromptSource], base_dir: Path | None = None) -> Iterator[Prompt | Reject]:
+    """Stream every row of `sources`, in order, as a Prompt or a load Reject (config errors raise first)."""
+    # Resolve every source before reading any row: a typo in the third source should fail before
+    # the first two have been streamed into shards.
+    resolved = [(source, _resolve(source, base_dir)) for source in sources]
+    return _stream(resolved)
+
+
+def _stream(resolved: list[tuple[PromptSource, list[_Unit]]]) -> Iterator[Prompt | Reject]:
+    seen: set[str] = set()
+    for source, units in resolved:
+        n_read = 0
+        next_row: dict[str, int] = {}
+        for unit in units:
+            if source.max_rows is not None and n_read >= source.max_rows:
+                break
+            for where, raw in unit.rows():
+                row = next_row.get(unit.label, 0)
+                next_row[unit.label] = row + 1
+                n_read += 1
+                yield _to_prompt(source, unit.label, row, where, raw, seen)
+                if source.max_rows is not None and n_read >= source.max_rows:
+                    break
+
+
+def _to_prompt(source: PromptSource, label: str, row: int, where: str, raw: Any, seen: set[str]) -> Prompt | Reject:
+    try:
+        if isinstance(raw, _Unreadable):
+            raise _RowError(raw.reason, raw.message)
+        if not isinstance(raw, dict):
+            raise _RowError("not_an_object", f"row is a JSON {type(raw).__name__}, expected an object")
+        messages = _messages(raw, source.format)
+        category = _category(raw, source.category_field)
+    except _RowError as err:
+        return Reject(stage="load", reason=err.reason, detail=f"{where}: {err.message}", source=label, row=row)
+    prompt_id = prompt_id_for(label, messages)
+    if prompt_id in seen:
+        return Reject(
+            stage="load",
+            reason="duplicate_prompt",
+            detail=f"{where}: same conversation as an earlier row of source {label!r} (prompt id {prompt_id})",
+            source=label,
+            row=row,
+            prompt_id=prompt_id,
+        )
+    seen.add(prompt_id)
+    return Prompt(prompt_id=prompt_id, source=label, row=row, messages=messages, category=category)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Resolving sources to row streams
+
+
+def _resolve(source: PromptSource, base_dir: Path | None) -> list[_Unit]:
+    path = Path(source.path).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    if path.is_file():
+        return [_file_unit(path, source.name or path.stem)]
+    if path.is_dir():
+        if _is_saved_dataset(path):
+            return [_saved_dataset_unit(path, source)]
+        return _dir_units(path, source)
+    if path.suffix.lower() in LOCAL_SUFFIXES or not _HUB_ID_RE.match(source.path):
+        raise PromptSourceError(f"prompt source {source.path!r}: no such file or directory ({path})")
+    return [_hub_unit(source, path)]
+
+
+def _file_unit(path: Path, label: str) -> _Unit:
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        return _Unit(label, lambda: _read_jsonl(path))
+    if suffix == ".json":
+        return _Unit(label, lambda: _read_json(path))
+    if suffix == ".parquet":
+        return _Unit(label, lambda: _read_parquet(path))
+    raise PromptSourceError(
+        f"prompt source {str(path)!r}: unsupported file type {path.suffix!r} "
+        f"(expected one of {', '.join(LOCAL_SUFFIXES)})"
+    )
+
+
+def _dir_units(path: Path, source: PromptSource) -> list[_Unit]:
+    files = sorted(
+        (
+            p
+            for p in path.rglob("*")
+            if p.is_file()
+            and p.suffix.lower() in LOCAL_SUFFIXES
+            and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        ),
+        key=lambda p: p.relative_to(path).as_posix(),
+    )
+    if not files:
+        raise PromptSourceError(
+            f"prompt source {source.path!r}: directory {path} holds no {', '.join(LOCAL_SUFFIXES)} files"
+        )
+    # Without a name each file is its own source (label = path inside the directory without its suffix),
+    # so a directory of mixed sets still reports its mix per set.
+    return [_file_unit(p, source.name or p.relative_to(path).with_suffix("").as_posix()) for p in files]
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    """A directory written by `datasets` save_to_disk (a Dataset or a DatasetDict)."""
+    return (path / "dataset_dict.json").is_file() or (
+        (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+    )
+
+
+def _saved_dataset_unit(path: Path, source: PromptSource) -> _Unit:
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except Exception as exc:  # datasets raises several unrelated types for unreadable directories
+        raise PromptSourceError(f"prompt source {source.path!r}: cannot load saved dataset {path}: {exc}") from exc
+    if isinstance(loaded, datasets.DatasetDict):
+        if source.split not in loaded:
+            raise PromptSourceError(
+                f"prompt source {source.path!r}: saved dataset {path} has no split {source.split!r} "
+                f"(splits: {', '.join(sorted(loaded))})"
+            )
+        loaded = loaded[source.split]
+    where = str(path)
+    return _Unit(source.name or path.stem, lambda: _read_dataset_rows(loaded, where))
+
+
+def _hub_unit(source: PromptSource, local: Path) -> _Unit:
+    import datasets
+
+    try:
+        loaded = datasets.load_dataset(source.path, split=source.split, streaming=True)
+    except Exception as exc:  # hub, network, split and builder errors all mean "cannot open this source"
+        raise PromptSourceError(
+            f"prompt source {source.path!r}: not a local file or directory ({local}) and not loadable as a "
+            f"Hugging Face dataset (split {source.split!r}): {type(exc).__name__}: {exc}"
+        ) from exc
+    where = f"{source.path}[{source.split}]"
+    return _Unit(source.name or source.path, lambda: _read_dataset_rows(loaded, where))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Readers: each yields (where, row) with `where` exact enough to find the row by hand.
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue  # blank lines are not rows
+            where = f"{path}:{lineno}"
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield where, _Unreadable("invalid_utf8", f"line is not UTF-8 ({exc.reason} at byte {exc.start})")
+                continue
+            if lineno == 1:
+                text = text.removeprefix("\ufeff")
+            try:
+                yield where, json.loads(text)
+            except json.JSONDecodeError as exc:
+                yield where, _Unreadable("invalid_json", f"invalid JSON: {exc.msg} (column {exc.colno})")
+
+
+def _read_json(path: Path) -> Iterator[tuple[str, Any]]:
+    with path.open(encoding="utf-8-sig", newline="") as f:
+        head = f.read(4096).lstrip(" \t\r\n")
+    if head.startswith("["):
+        yield from _read_json_array(path)
+    else:
+        # Not a list: the file holds JSON lines (a common mislabelling of .jsonl files).
+        yield from _read_jsonl(path)
+
+
+def _read_json_array(path: Path) -> Iterator[tuple[str, Any]]:
+    with path.open(encoding="utf-8-sig", newline="") as f:
+        yield from _JsonArrayReader(f, str(path)).rows()
+
+
+class _JsonArrayReader:
+    """Streams the elements of one top-level JSON list without loading the file, tracking line numbers."""
+
+    def __init__(self, f: IO[str], name: str) -> None:
+        self._f = f
+        self._name = name
+        self._decoder = json.JSONDecoder()
+        self._buf = ""
+        self._pos = 0
+        self._line = 1  # line number of self._buf[self._pos]
+        self._eof = False
+
+    def rows(self) -> Iterator[tuple[str, Any]]:
+        """Yield (where, element) per list element; a syntax error ends the file with one _Unreadable."""
+        if self._peek() != "[":
+            yield f"{self._name}:{self._line}", _Unreadable("invalid_json", "expected a JSON list of rows")
+            return
+        self._pos += 1
+        if self._peek() == "]":
+            self._pos += 1
+        else:
+            while True:
+                where = f"{self._name}:{self._line}"
+                try:
+                    value = self._decode()
+                except json.JSONDecodeError as exc:
+                    line = self._line + self._buf.count("\n", self._pos, exc.pos)
+                    yield (
+                        where,
+                        _Unreadable(
+                            "invalid_json",
+                            f"invalid JSON at line {line}: {exc.msg}; the rest of the file cannot be read",
+                        ),
+                    )
+                    return
+                yield where, value
+                nxt = self._peek()
+                if nxt == ",":
+                    self._pos += 1
+                    self._peek()
+                    continue
+                if nxt == "]":
+                    self._pos += 1
+                    break
+                found = repr(nxt) if nxt else "end of file"
+                yield (
+                    f"{self._name}:{self._line}",
+                    _Unreadable("invalid_json", f"expected ',' or ']' after a row, found {found}"),
+                )
+                return
+        if self._peek():
+            yield f"{self._name}:{self._line}", _Unreadable("invalid_json", "unexpected data after the closing ']'")
+
+    def _fill(self) -> bool:
+        """Append the next chunk (at least as large as what is buffered, so big rows take few reads)."""
+        chunk = self._f.read(max(_JSON_CHUNK_CHARS, len(self._buf) - self._pos))
+        if not chunk:
+            self._eof = True
+            return False
+        self._buf = self._buf[self._pos :] + chunk
+        self._pos = 0
+        return True
+
+    def _peek(self) -> str:
+        """Skip whitespace; the next character, or "" at end of file."""
+        while True:
+            match = _WS_RE.match(self._buf, self._pos)
+            end = match.end() if match else self._pos
+            self._line += self._buf.count("\n", self._pos, end)
+            self._pos = end
+            if self._pos < len(self._buf):
+                return self._buf[self._pos]
+            if self._eof or not self._fill():
+                return ""
+
+    def _decode(self) -> Any:
+        while True:
+            try:
+                value, end = self._decoder.raw_decode(self._buf, self._pos)
+            except json.JSONDecodeError:
+                # Maybe only cut off at the buffer's end: read on, unless the row is already absurdly large.
+                if self._eof or len(self._buf) - self._pos > _JSON_MAX_ROW_CHARS or not self._fill():
+                    raise
+                continue
+            # A number at the buffer's end may continue in the next chunk: decode again with more text.
+            if end < len(self._buf) or self._eof or not self._fill():
+                self._line += self._buf.count("\n", self._pos, end)
+                self._pos = end
+                return value
+
+
+def _read_parquet(path: Path) -> Iterator[tuple[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise PromptSourceError(f"prompt source file {path}: not a readable parquet file: {exc}") from exc
+    row = 0
+    with parquet:
+        for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS):
+            for value in batch.to_pylist():
+                yield f"{path}:row {row}", value
+                row += 1
+
+
+def _read_dataset_rows(rows: Iterable[Any], where: str) -> Iterator[tuple[str, Any]]:
+    for i, value in enumerate(rows):
+        yield f"{where}:row {i}", value
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Row -> messages
+
+
+def _messages(row: dict[str, Any], fmt: str) -> list[Message]:
+    if fmt == "auto":
+        fmt = _detect(row)
+    if fmt == "sharegpt":
+        turns = _turns(row, "conversations", ("from", "value"), ("role", "content"))
+    elif fmt == "openai":
+        turns = _turns(row, "messages", ("role", "content"), None)
+    else:
+        turns = _alpaca_turns(row)
+    return _conversation(turns)
+
+
+def _detect(row: dict[str, Any]) -> str:
+    for field, fmt in (("conversations", "sharegpt"), ("messages", "openai"), ("instruction", "alpaca")):
+        if row.get(field) is not None:
+            return fmt
+    keys = ", ".join(sorted(map(str, row))[:12]) or "none"
+    raise _RowError(
+        "unknown_format",
+        f"no 'conversations' (ShareGPT), 'messages' (OpenAI) or 'instruction' (Alpaca) field (keys: {keys})",
+    )
+
+
+# A turn before validation: (role, raw content, where in the row, the raw turn for role-specific checks).
+_Turn = tuple[str, Any, str, dict[str, Any]]
+
+
+def _turns(row: dict[str, Any], field: str, keys: tuple[str, str], alt_keys: tuple[str, str] | None) -> list[_Turn]:
+    if field not in row or row[field] is None:
+        raise _RowError("missing_field", f"no {field!r} field")
+    conv = row[field]
+    if not isinstance(conv, list):
+        raise _RowError("wrong_type", f"{field!r} must be a list of turns, got {type(conv).__name__}")
+    turns: list[_Turn] = []
+    for i, turn in enumerate(conv):
+        label = f"{field}[{i}]"
+        if not isinstance(turn, dict):
+            raise _RowError("wrong_type", f"{label} must be an object, got {type(turn).__name__}")
+        role_key, content_key = keys
+        # Some ShareGPT exports use OpenAI's keys inside "conversations"; accept them when "from" is absent.
+        if role_key not in turn and alt_keys is not None and alt_keys[0] in turn:
+            role_key, content_key = alt_keys
+        speaker = turn.get(role_key)
+        if speaker is None:
+            raise _RowError("missing_field", f"{label} has no {role_key!r}")
+        if not isinstance(speaker, str):
+            raise _RowError("wrong_type", f"{label}.{role_key} must be a string, got {type(speaker).__name__}")
+        role = _role(speaker, f"{label}.{role_key}")
+        if content_key not in turn:
+            raise _RowError("missing_field", f"{label} has no {content_key!r}")
+        turns.append((role, turn[content_key], f"{label}.{content_key}", turn))
+    return turns
+
+
+def _role(speaker: str, label: str) -> str:
+    name = speaker.strip().lower()
+    if name in _USER_ROLES:
+        return "user"
+    if name in _ASSISTANT_ROLES:
+        return "assistant"
+    if name in _SYSTEM_ROLES:
+        return "system"
+    if name in _TOOL_ROLES:
+        raise _RowError("unsupported_role", f"{label} is {speaker!r}: tool and function turns are not supported")
+    raise _RowError("unknown_role", f"{label} is {speaker!r}, not a user, assistant or system role")
+
+
+def _alpaca_turns(row: dict[str, Any]) -> list[_Turn]:
+    instruction = row.get("instruction")
+    if instruction is None:
+        raise _RowError("missing_field", "no 'instruction' field")
+    if not isinstance(instruction, str):
+        raise _RowError("wrong_type", f"'instruction' must be a string, got {type(instruction).__name__}")
+    extra = _optional_str(row, "input")
+    system = _optional_str(row, "system")
+    if not instruction.strip():
+        raise _RowError("empty_user_content", "'instruction' is empty")
+    # Alpaca's own prompt puts the input after the instruction, separated by a blank line.
+    user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+    turns: list[_Turn] = [("user", user, "instruction", row)]
+    if system.strip():
+        turns.insert(0, ("system", system, "system", row))
+    return turns
+
+
+def _optional_str(row: dict[str, Any], field: str) -> str:
+    value = row.get(field)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise _RowError("wrong_type", f"{field!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _conversation(turns: list[_Turn]) -> list[Message]:
+    if not turns:
+        raise _RowError("empty_conversation", "conversation has no turns")
+    systems = [label for role, _, label, _ in turns if role == "system"]
+    if len(systems) > 1:
+        raise _RowError("multiple_system", f"{len(systems)} system messages ({', '.join(systems)}); at most one")
+    if systems and turns[0][0] != "system":
+        raise _RowError("system_not_first", f"system message at {systems[0]} is not the first turn")
+    if turns[-1][0] == "assistant":
+        turns = turns[:-1]  # the reply we regenerate: its content does not matter
+    messages: list[Message] = []
+    for role, content, label, raw in turns:
+        if role == "assistant" and raw.get("tool_calls"):
+            raise _RowError("unsupported_role", f"{label}: assistant turn with tool calls is not supported")
+        text = _text(content, label)
+        if not text.strip():
+            if role == "system":
+                continue  # an empty system prompt means none; the template would render an empty block
+            reason = "empty_user_content" if role == "user" else "empty_assistant_content"
+            raise _RowError(reason, f"{label} is empty")
+        messages.append({"role": role, "content": text})
+    if not any(m["role"] == "user" for m in messages):
+        raise _RowError("no_user_turn", "conversation has no user turn")
+    if messages[-1]["role"] != "user":
+        raise _RowError(
+            "last_turn_not_user",
+            f"after dropping one trailing assistant reply the last turn is {messages[-1]['role']!r}",
+        )
+    return messages
+
+
+def _text(content: Any, label: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts: list[str] = []
+        for j, part in enumerate(content):
+            if isinstance(part, str):
+                parts.append(part)
+                continue
+            if not isinstance(part, dict):
+                raise _RowError("wrong_type", f"{label}[{j}] must be an object, got {type(part).__name__}")
+            kind = part.get("type", "text")
+            if kind != "text":
+                raise _RowError("non_text_content", f"{label}[{j}] is a {kind!r} part; only text is supported")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise _RowError("wrong_type", f"{label}[{j}].text must be a string, got {type(text).__name__}")
+            parts.append(text)
+        # Joined without a separator: that is how the model's chat template renders a list of text parts.
+        return "".join(parts)
+    if content is None:
+        raise _RowError("wrong_type", f"{label} is null")
+    raise _RowError("wrong_type", f"{label} must be a string or a list of text parts, got {type(content).__name__}")
+
+
+def _category(row: dict[str, Any], field: str | None) -> str | None:
+    if field is None:
+        return None
+    value = row.get(field)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise _RowError("wrong_type", f"category field {field!r} must be a string, got {type(value).__name__}")
+    text = str(value).strip()
+    return text or None

@@ -1,0 +1,241 @@
+"""Shard planning: stream the run's prompt sources into fixed-size shard files and one load-rejects file.
+
+Deterministic (same sources and shard size -> byte-identical files) and idempotent: a shard file that already
+holds exactly what would be written is left untouched, so downstream checkpoints keyed on it stay valid. The
+plan manifest (`plan.json` beside the shards) is written last and removed before the first file changes, so
+its presence means the shard files it lists are complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import tempfile
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from datagen.layout import RunLayout
+from datagen.prompts import iter_prompts
+from datagen.records import Reject
+from datagen.runspec import RunSpec
+
+__all__ = ["ShardEntry", "ShardPlan", "plan_manifest_path", "plan_shards", "read_plan"]
+
+log = logging.getLogger(__name__)
+
+_SHARD_FILE_RE = re.compile(r"^shard-(\d{5,})\.prompts\.jsonl$")
+_HASH_CHUNK = 1 << 20
+
+
+class ShardEntry(BaseModel):
+    """One shard file of a plan."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    shard_id: int = Field(..., ge=0)
+    n_prompts: int = Field(..., ge=1)
+    sha256: str = Field(..., description="sha256 of the shard's prompts file.")
+
+
+class ShardPlan(BaseModel):
+    """What planning wrote: shard ids, checksums and counts (a reference to the data, never the data)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    shard_size: int
+    shard_ids: list[int]
+    shards: list[ShardEntry]
+    n_rows: int = Field(..., description="Rows read from all sources: n_prompts + n_load_rejects.")
+    n_prompts: int
+    n_load_rejects: int
+    prompts_by_source: dict[str, int]
+    load_rejects_by_source: dict[str, int]
+    load_rejects_by_reason: dict[str, int]
+    prompts_by_category: dict[str, int] = Field(..., description="Prompts per category; see n_uncategorized.")
+    n_uncategorized: int = Field(..., description="Prompts without a category.")
+    load_rejects_sha256: str
+    plan_sha256: str = Field(..., description="sha256 over everything above: equal plans, equal files.")
+
+
+def plan_manifest_path(layout: RunLayout) -> Path:
+    """Where the plan manifest of a run lives (written last: it marks a complete plan)."""
+    return layout.shards_dir / "plan.json"
+
+
+def plan_shards(spec: RunSpec, layout: RunLayout, base_dir: Path | None = None) -> ShardPlan:
+    """Stream the spec's prompt sources into shard files and load rejects; keep files that already match."""
+    # Resolves every source first: a config error raises here, before any file is touched.
+    items = iter_prompts(spec.sources, base_dir)
+    layout.shards_dir.mkdir(parents=True, exist_ok=True)
+    layout.load_rejects.parent.mkdir(parents=True, exist_ok=True)
+    manifest = plan_manifest_path(layout)
+    invalidate = _Invalidator(manifest)
+
+    shards: list[ShardEntry] = []
+    by_source: Counter[str] = Counter()
+    rejects_by_source: Counter[str] = Counter()
+    rejects_by_reason: Counter[str] = Counter()
+    by_category: Counter[str] = Counter()
+    n_uncategorized = 0
+
+    rejects_out = _HashingWriter(layout.load_rejects)
+    shard_out: _HashingWriter | None = None
+    shard_count = 0
+    try:
+        for item in items:
+            if isinstance(item, Reject):
+                rejects_out.write_line(item.to_json())
+                rejects_by_source[item.source] += 1
+                rejects_by_reason[item.reason] += 1
+                continue
+            if shard_out is None:
+                shard_out = _HashingWriter(layout.shard_prompts(len(shards)))
+                shard_count = 0
+            shard_out.write_line(item.to_json())
+            shard_count += 1
+            by_source[item.source] += 1
+            if item.category is None:
+                n_uncategorized += 1
+            else:
+                by_category[item.category] += 1
+            if shard_count == spec.shard_size:
+                shards.append(
+                    ShardEntry(shard_id=len(shards), n_prompts=shard_count, sha256=shard_out.commit(invalidate))
+                )
+                shard_out = None
+        if shard_out is not None:
+            shards.append(ShardEntry(shard_id=len(shards), n_prompts=shard_count, sha256=shard_out.commit(invalidate)))
+            shard_out = None
+        rejects_sha = rejects_out.commit(invalidate)
+    finally:
+        if shard_out is not None:
+            shard_out.discard()
+        rejects_out.discard()
+
+    _remove_stale_shards(layout, len(shards), invalidate)
+    n_prompts = sum(by_source.values())
+    n_rejects = sum(rejects_by_source.values())
+    body = {
+        "shard_size": spec.shard_size,
+        "shard_ids": [s.shard_id for s in shards],
+        "shards": [s.model_dump() for s in shards],
+        "n_rows": n_prompts + n_rejects,
+        "n_prompts": n_prompts,
+        "n_load_rejects": n_rejects,
+        "prompts_by_source": dict(sorted(by_source.items())),
+        "load_rejects_by_source": dict(sorted(rejects_by_source.items())),
+        "load_rejects_by_reason": dict(sorted(rejects_by_reason.items())),
+        "prompts_by_category": dict(sorted(by_category.items())),
+        "n_uncategorized": n_uncategorized,
+        "load_rejects_sha256": rejects_sha,
+    }
+    plan_sha = hashlib.sha256(json.dumps(body, sort_keys=True).encode("utf-8")).hexdigest()
+    plan = ShardPlan.model_validate({**body, "plan_sha256": plan_sha})
+
+    manifest_out = _HashingWriter(manifest)
+    try:
+        manifest_out.write_line(plan.model_dump_json(indent=2))
+        manifest_out.commit(lambda: None)
+    finally:
+        manifest_out.discard()
+    log.info(
+        "planned %d prompts in %d shards (%d load rejects, %d files rewritten)",
+        n_prompts,
+        len(shards),
+        n_rejects,
+        invalidate.changed,
+    )
+    return plan
+
+
+def read_plan(layout: RunLayout, verify: bool = True) -> ShardPlan | None:
+    """The run's complete plan, or None when there is none or (with verify) a listed file no longer matches."""
+    manifest = plan_manifest_path(layout)
+    if not manifest.is_file():
+        return None
+    plan = ShardPlan.model_validate_json(manifest.read_text(encoding="utf-8"))
+    if not verify:
+        return plan
+    expected = [(layout.shard_prompts(s.shard_id), s.sha256) for s in plan.shards]
+    expected.append((layout.load_rejects, plan.load_rejects_sha256))
+    for path, sha in expected:
+        if not path.is_file() or _file_sha256(path) != sha:
+            return None
+    return plan
+
+
+class _Invalidator:
+    """Removes the manifest once, just before the first planned file changes (a crash then leaves no manifest)."""
+
+    def __init__(self, manifest: Path) -> None:
+        self._manifest = manifest
+        self.changed = 0
+
+    def __call__(self) -> None:
+        if self.changed == 0:
+            self._manifest.unlink(missing_ok=True)
+        self.changed += 1
+
+
+class _HashingWriter:
+    """Writes to a temp file beside `target`, hashing as it goes; commit() renames it over the target atomically."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+        fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        # mkstemp makes the file private (0600); shard files are ordinary data files others may read.
+        os.fchmod(fd, 0o644)
+        self._tmp = Path(name)
+        self._file = os.fdopen(fd, "wb")
+        self._sha = hashlib.sha256()
+        self._size = 0
+
+    def write_line(self, line: str) -> None:
+        data = (line + "\n").encode("utf-8")
+        self._file.write(data)
+        self._sha.update(data)
+        self._size += len(data)
+
+    def commit(self, before_change: Callable[[], None]) -> str:
+        """Replace the target unless it already holds these bytes; returns their sha256."""
+        digest = self._sha.hexdigest()
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        target = self.target
+        if target.is_file() and target.stat().st_size == self._size and _file_sha256(target) == digest:
+            # Identical: keep the existing file (same inode and mtime) so nothing downstream sees a change.
+            self._tmp.unlink()
+        else:
+            before_change()
+            os.replace(self._tmp, target)
+        return digest
+
+    def discard(self) -> None:
+        """Drop the temp file if it was not committed."""
+        if not self._file.closed:
+            self._file.close()
+        self._tmp.unlink(missing_ok=True)
+
+
+def _remove_stale_shards(layout: RunLayout, n_shards: int, before_change: Callable[[], None]) -> None:
+    # A smaller plan than last time: shard files past its end belong to no plan any more.
+    for path in sorted(layout.shards_dir.iterdir()):
+        match = _SHARD_FILE_RE.match(path.name)
+        if match and int(match.group(1)) >= n_shards:
+            before_change()
+            path.unlink()
+
+
+def _file_sha256(path: Path) -> str:
+    sha = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            sha.update(chunk)
+    return sha.hexdigest()

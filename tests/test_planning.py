@@ -1,0 +1,192 @@
+"""Shard planning: shard files, load rejects and the plan manifest; determinism, idempotence, counts."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from datagen.layout import RunLayout
+from datagen.prompts import PromptSourceError
+from datagen.records import Prompt, Reject
+from datagen.runspec import PromptSource, RunSpec
+from tasks.planning import ShardPlan, plan_manifest_path, plan_shards, read_plan
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_rows(path: Path, n: int, start: int = 0, bad_every: int = 0) -> Path:
+    """n rows of Alpaca prompts; every bad_every-th row (1-based) is invalid JSON."""
+    lines = []
+    for i in range(start, start + n):
+        if bad_every and (i + 1) % bad_every == 0:
+            lines.append("{not json")
+        else:
+            lines.append(json.dumps({"instruction": f"question {i}", "category": "even" if i % 2 == 0 else "odd"}))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def spec_for(*paths: Path, shard_size: int = 3) -> RunSpec:
+    return RunSpec(sources=[PromptSource(path=str(p), category_field="category") for p in paths], shard_size=shard_size)
+
+
+def files_of(layout: RunLayout) -> dict[str, bytes]:
+    return {str(p.relative_to(layout.root)): p.read_bytes() for p in sorted(layout.root.rglob("*")) if p.is_file()}
+
+
+def stat_of(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_ino, st.st_mtime_ns
+
+
+def test_shards_rejects_and_counts(tmp_path: Path) -> None:
+    a = write_rows(tmp_path / "a.jsonl", 9, bad_every=4)  # rows 4 and 8 are bad: 7 prompts
+    b = write_rows(tmp_path / "b.jsonl", 4, start=100)
+    layout = RunLayout(tmp_path / "run")
+    plan = plan_shards(spec_for(a, b), layout)
+
+    assert plan.shard_ids == [0, 1, 2, 3]
+    assert [s.n_prompts for s in plan.shards] == [3, 3, 3, 2]
+    assert plan.n_prompts == 11
+    assert plan.n_load_rejects == 2
+    assert plan.n_rows == 13 == plan.n_prompts + plan.n_load_rejects
+    assert plan.prompts_by_source == {"a": 7, "b": 4}
+    assert plan.load_rejects_by_source == {"a": 2}
+    assert plan.load_rejects_by_reason == {"invalid_json": 2}
+    assert plan.prompts_by_category == {"even": 7, "odd": 4}
+    assert plan.n_uncategorized == 0
+
+    shard_prompts = [
+        [Prompt.from_json(line) for line in layout.shard_prompts(i).read_text().splitlines()] for i in plan.shard_ids
+    ]
+    flat = [p for shard in shard_prompts for p in shard]
+    assert [p.messages[0]["content"] for p in flat] == [
+        f"question {i}" for i in (0, 1, 2, 4, 5, 6, 8, 100, 101, 102, 103)
+    ]
+    assert len({p.prompt_id for p in flat}) == 11
+    rejects = [Reject.from_json(line) for line in layout.load_rejects.read_text().splitlines()]
+    assert [(r.source, r.row, r.detail.split(": ")[0]) for r in rejects] == [("a", 3, f"{a}:4"), ("a", 7, f"{a}:8")]
+    assert read_plan(layout) == plan
+    assert not [p for p in layout.root.rglob("*.tmp")]
+
+
+def test_plan_is_deterministic(tmp_path: Path) -> None:
+    a = write_rows(tmp_path / "a.jsonl", 10, bad_every=3)
+    first, second = RunLayout(tmp_path / "one"), RunLayout(tmp_path / "two")
+    plan_one = plan_shards(spec_for(a), first)
+    plan_two = plan_shards(spec_for(a), second)
+    assert plan_one == plan_two
+    assert files_of(first) == files_of(second)
+    assert set(files_of(first)) == {
+        "load-rejects.jsonl",
+        "shards/plan.json",
+        "shards/shard-00000.prompts.jsonl",
+        "shards/shard-00001.prompts.jsonl",
+        "shards/shard-00002.prompts.jsonl",
+    }
+
+
+def test_rerun_keeps_identical_files_untouched(tmp_path: Path) -> None:
+    a = write_rows(tmp_path / "a.jsonl", 10, bad_every=5)
+    layout = RunLayout(tmp_path / "run")
+    plan = plan_shards(spec_for(a), layout)
+    paths = [*(layout.shard_prompts(i) for i in plan.shard_ids), layout.load_rejects, plan_manifest_path(layout)]
+    before = {p: stat_of(p) for p in paths}
+    again = plan_shards(spec_for(a), layout)
+    assert again == plan
+    assert {p: stat_of(p) for p in paths} == before
+
+
+def test_changed_input_rewrites_only_what_changed(tmp_path: Path) -> None:
+    a = write_rows(tmp_path / "a.jsonl", 9)
+    layout = RunLayout(tmp_path / "run")
+    plan = plan_shards(spec_for(a), layout)
+    kept = stat_of(layout.shard_prompts(0))
+
+    # Change row 4 (shard 1) and drop the last three rows (shard 2).
+    lines = a.read_text().splitlines()
+    lines[4] = json.dumps({"instruction": "a different question", "category": "even"})
+    a.write_text("\n".join(lines[:6]) + "\n")
+    changed = plan_shards(spec_for(a), layout)
+
+    assert changed.shard_ids == [0, 1]
+    assert changed.shards[0] == plan.shards[0]
+    assert changed.shards[1].sha256 != plan.shards[1].sha256
+    assert changed.plan_sha256 != plan.plan_sha256
+    assert stat_of(layout.shard_prompts(0)) == kept
+    assert "a different question" in layout.shard_prompts(1).read_text()
+    assert not layout.shard_prompts(2).exists()
+    assert read_plan(layout) == changed
+
+
+def test_tampered_shard_is_detected_and_rewritten(tmp_path: Path) -> None:
+    a = write_rows(tmp_path / "a.jsonl", 6)
+    layout = RunLayout(tmp_path / "run")
+    plan = plan_shards(spec_for(a), layout)
+    good = layout.shard_prompts(1).read_bytes()
+    layout.shard_prompts(1).write_bytes(good.replace(b"question 4", b"question X"))
+
+    assert read_plan(layout) is None
+    assert read_plan(layout, verify=False) == plan
+    assert plan_shards(spec_for(a), layout) == plan
+    assert layout.shard_prompts(1).read_bytes() == good
+    assert read_plan(layout) == plan
+
+
+def test_no_prompts_gives_an_empty_plan_with_a_rejects_file(tmp_path: Path) -> None:
+    a = tmp_path / "a.jsonl"
+    a.write_text("{bad\n\n[1]\n")
+    layout = RunLayout(tmp_path / "run")
+    plan = plan_shards(spec_for(a), layout)
+    assert plan.shard_ids == []
+    assert plan.n_prompts == 0
+    assert plan.n_rows == plan.n_load_rejects == 2
+    assert plan.load_rejects_by_reason == {"invalid_json": 1, "not_an_object": 1}
+    assert len(layout.load_rejects.read_text().splitlines()) == 2
+
+
+def test_config_error_leaves_an_existing_plan_alone(tmp_path: Path) -> None:
+    a = write_rows(tmp_path / "a.jsonl", 4)
+    layout = RunLayout(tmp_path / "run")
+    plan = plan_shards(spec_for(a), layout)
+    before = files_of(layout)
+    with pytest.raises(PromptSourceError, match=r"missing\.jsonl"):
+        plan_shards(spec_for(a, tmp_path / "missing.jsonl"), layout)
+    assert files_of(layout) == before
+    assert read_plan(layout) == plan
+
+
+def test_failure_mid_stream_leaves_no_manifest_and_no_temp_files(tmp_path: Path) -> None:
+    a = write_rows(tmp_path / "a.jsonl", 6)
+    b = tmp_path / "b.parquet"
+    b.write_bytes(b"corrupt")  # found at resolution, unreadable only when reached
+    layout = RunLayout(tmp_path / "run")
+    plan_shards(spec_for(a), layout)
+    a.write_text(a.read_text().replace("question 0", "question zero"))
+    with pytest.raises(PromptSourceError, match=r"b\.parquet: not a readable parquet file"):
+        plan_shards(spec_for(a, b), layout)
+    # Shard 0 changed before the failure, so the old manifest no longer describes the files.
+    assert not plan_manifest_path(layout).exists()
+    assert read_plan(layout) is None
+    assert not [p for p in layout.root.rglob("*.tmp")]
+
+
+def test_plan_round_trips_as_json(tmp_path: Path) -> None:
+    a = write_rows(tmp_path / "a.jsonl", 5)
+    plan = plan_shards(spec_for(a, shard_size=2), RunLayout(tmp_path / "run"))
+    assert ShardPlan.model_validate_json(plan.model_dump_json()) == plan
+    assert plan_manifest_path(RunLayout(tmp_path / "run")).read_text() == plan.model_dump_json(indent=2) + "\n"
+
+
+def test_bundled_set_plans_with_default_sources(tmp_path: Path) -> None:
+    layout = RunLayout(tmp_path / "run")
+    spec = RunSpec(shard_size=100)
+    plan = plan_shards(spec, layout, base_dir=REPO)
+    assert plan.n_load_rejects == 0
+    assert plan.n_prompts == sum(plan.prompts_by_source.values()) == sum(s.n_prompts for s in plan.shards)
+    assert len(plan.prompts_by_source) == 4
+    assert plan.shard_ids == list(range((plan.n_prompts + 99) // 100))
+    assert os.path.getsize(layout.load_rejects) == 0
