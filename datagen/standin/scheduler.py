@@ -1,0 +1,168 @@
+"""Continuous-batching timing model: a waiting queue, a running batch, one asyncio loop of decode steps."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from datagen.standin.knobs import Knobs
+from datagen.standin.synthetic import OutputPlan
+
+__all__ = ["ABORT_FINISH", "QueueFullError", "Req", "Scheduler"]
+
+logger = logging.getLogger("datagen.standin.scheduler")
+
+ABORT_FINISH: dict[str, Any] = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+_DECODE_LOG_INTERVAL = 40  # steps between "Decode batch" log lines, as SGLang's --decode-log-interval default
+_THROUGHPUT_WINDOW_S = 5.0
+
+
+class QueueFullError(Exception):
+    """The waiting queue is at --max-queued-requests."""
+
+
+@dataclass(eq=False)
+class Req:
+    """One sequence in the scheduler: its planned output and how far it has got."""
+
+    rid: str
+    prompt_len: int
+    plan: OutputPlan
+    future: asyncio.Future[None]
+    created: float = field(default_factory=time.time)
+    pos: int = 0  # tokens emitted so far
+    finish_reason: dict[str, Any] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Scheduler:
+    """Admits requests up to the running limit and advances every running one per decode step."""
+
+    def __init__(self, knobs: Knobs, *, max_running: int, max_queued: int | None, max_total_tokens: int) -> None:
+        self.knobs = knobs
+        self.max_running = max_running
+        self.max_queued = max_queued
+        self.max_total_tokens = max_total_tokens
+        self.running: list[Req] = []
+        self.waiting: deque[Req] = deque()
+        self.inflight: dict[str, Req] = {}
+        self._wake = asyncio.Event()
+        self._samples: deque[tuple[float, int]] = deque()
+        self.steps = 0
+        # Counters behind /metrics (monotonic over the process lifetime).
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.num_requests_total = 0
+        self.num_aborted_total = 0
+        self.last_gen_throughput = 0.0
+
+    # --- submission -------------------------------------------------------------------------
+    def submit(self, reqs: list[Req]) -> None:
+        """Queue a whole batch, or none of it (duplicate rid -> ValueError, queue full -> QueueFullError)."""
+        rids = [r.rid for r in reqs]
+        for i, rid in enumerate(rids):
+            if rid in self.inflight or rid in rids[:i]:
+                raise ValueError(f"Duplicate request ID detected: {rid}")
+        if self.max_queued is not None:
+            free_slots = max(0, self.max_running - len(self.running))
+            if len(self.waiting) + len(reqs) - free_slots > self.max_queued:
+                raise QueueFullError("The request queue is full.")
+        for r in reqs:
+            self.inflight[r.rid] = r
+            self.waiting.append(r)
+            self.prompt_tokens_total += r.prompt_len
+        self._wake.set()
+
+    def abort(self, rid: str | None = None, *, abort_all: bool = False) -> int:
+        """Finish matching requests now with an abort finish reason; returns how many."""
+        targets = list(self.inflight.values()) if abort_all else [r for r in [self.inflight.get(rid or "")] if r]
+        for r in targets:
+            self._finish(r, ABORT_FINISH)
+            if r in self.running:
+                self.running.remove(r)
+            else:
+                self.waiting.remove(r)
+            self.num_aborted_total += 1
+        return len(targets)
+
+    def _finish(self, r: Req, reason: dict[str, Any]) -> None:
+        r.finish_reason = reason
+        self.inflight.pop(r.rid, None)
+        self.num_requests_total += 1
+        if not r.future.done():
+            r.future.set_result(None)
+
+    # --- state for /v1/loads and /metrics -----------------------------------------------------
+    @property
+    def num_used_tokens(self) -> int:
+        return sum(r.prompt_len + r.pos for r in self.running)
+
+    @property
+    def gen_throughput(self) -> float:
+        """Output tokens per second over the last few seconds (0 when idle)."""
+        now = time.monotonic()
+        while self._samples and now - self._samples[0][0] > _THROUGHPUT_WINDOW_S:
+            self._samples.popleft()
+        if len(self._samples) < 2:
+            return 0.0
+        (t0, c0), (t1, c1) = self._samples[0], self._samples[-1]
+        return (c1 - c0) / (t1 - t0) if t1 > t0 else 0.0
+
+    # --- the loop ---------------------------------------------------------------------------
+    def _step_seconds(self, batch: int) -> float:
+        k = self.knobs
+        # One step advances tokens_per_step tokens, so it costs that many single-token steps:
+        # throughput does not depend on tokens_per_step, only the CPU spent does.
+        return k.tokens_per_step * (k.step_base_ms + k.step_per_req_ms * batch) * k.time_scale / 1000.0
+
+    async def run(self) -> None:
+        """Decode steps forever (cancel the task to stop)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time()
+        per_step = self.knobs.tokens_per_step
+        while True:
+            if not self.running and not self.waiting:
+                self._wake.clear()
+                await self._wake.wait()
+                deadline = loop.time()
+            while self.waiting and len(self.running) < self.max_running:
+                self.running.append(self.waiting.popleft())
+            # Deadlines, not plain sleeps: sleep overshoot does not accumulate into lower throughput.
+            deadline += self._step_seconds(len(self.running))
+            delay = deadline - loop.time()
+            if delay < -1.0:  # far behind (process was starved): do not burst to catch up
+                deadline = loop.time()
+            await asyncio.sleep(max(0.0, delay))
+            produced = 0
+            still: list[Req] = []
+            for r in self.running:
+                n = len(r.plan.ids)
+                step = min(per_step, n - r.pos)
+                r.pos += step
+                produced += step
+                if r.pos >= n:
+                    self._finish(r, r.plan.finish_reason)
+                else:
+                    still.append(r)
+            self.running = still
+            self.generation_tokens_total += produced
+            self.steps += 1
+            self._samples.append((time.monotonic(), self.generation_tokens_total))
+            if self.steps % _DECODE_LOG_INTERVAL == 0 and self.running:
+                self.last_gen_throughput = self.gen_throughput
+                logger.info(
+                    "Decode batch, #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
+                    "#queue-req: %d,",
+                    len(self.running),
+                    self.num_used_tokens,
+                    self.num_used_tokens / self.max_total_tokens,
+                    self.last_gen_throughput,
+                    len(self.waiting),
+                )

@@ -1,0 +1,256 @@
+"""Startup of the stand-in as SGLang does it: resolve args, "load" (port closed), serve, warm up, go Up."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import shlex
+import sys
+import time
+import traceback
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+from datagen.standin.cli import redacted_argv
+from datagen.standin.knobs import KnobError, Knobs
+
+__all__ = ["check_gpu_arch", "resolve_args", "serve"]
+
+logger = logging.getLogger("datagen.standin")
+
+_HYBRID_GDN_ARCHS = frozenset({"Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM", "Qwen3NextForCausalLM"})
+_BLACKWELL_HYBRID_ALLOWED = {
+    12: {"triton", "trtllm_mha", "flashinfer"},
+    10: {"triton", "trtllm_mha", "fa4", "flashinfer"},
+}
+_WARMUP_TEXT = "The capital city of France is"
+
+
+def _setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    # SGLang's format: "[2026-01-01 12:00:00] message".
+    handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def _gpu_major(arch: str | None) -> int | None:
+    if not arch:
+        return None
+    try:
+        return int(float(arch))
+    except ValueError:
+        return None
+
+
+def check_gpu_arch(args: argparse.Namespace, architectures: list[str], gpu_arch: str | None) -> str:
+    """Resolve the attention backend; raise AssertionError as SGLang does for a backend the GPU cannot run."""
+    major = _gpu_major(gpu_arch)
+    hybrid = bool(_HYBRID_GDN_ARCHS.intersection(architectures))
+    backend = args.attention_backend
+    if backend is None:
+        # model_override_base.get_default_attn_backend: fa3 on Hopper, trtllm_mha on SM100, else flashinfer.
+        backend = {9: "fa3", 10: "trtllm_mha"}.get(major or 0, "flashinfer")
+        logger.info("Attention backend not specified. Use %s backend by default.", backend)
+    prefill = args.prefill_attention_backend or backend
+    decode = args.decode_attention_backend or backend
+    if hybrid and major in _BLACKWELL_HYBRID_ALLOWED:
+        allowed = _BLACKWELL_HYBRID_ALLOWED[major]
+        for chosen in (prefill, decode):
+            assert chosen in allowed, (
+                f"Only {allowed} backends are supported on Blackwell GPUs for hybrid GDN models. Got {chosen}"
+            )
+    if major is not None and major >= 10 and "fa3" in (prefill, decode):
+        raise AssertionError(
+            "FlashAttention v3 Backend requires SM>=80 and SM<=90. Please use `--attention-backend flashinfer`"
+        )
+    return str(backend)
+
+
+def resolve_args(args: argparse.Namespace, config: dict[str, Any], knobs: Knobs, attention: str) -> dict[str, Any]:
+    """Server args after SGLang-like defaulting, as /server_info shows them (API keys masked)."""
+    resolved = dict(vars(args))
+    for secret in ("api_key", "admin_api_key"):
+        if resolved.get(secret) is not None:
+            resolved[secret] = "***"
+    context = args.context_length or int(config.get("max_position_embeddings") or 262144)
+    spec = "EAGLE" if args.speculative_algorithm == "NEXTN" else args.speculative_algorithm
+    if args.max_running_requests is not None:
+        max_running = args.max_running_requests
+    elif spec in ("EAGLE", "EAGLE3"):
+        max_running = 48  # speculative_hook._handle_eagle_family forces 48 when the flag is absent
+    else:
+        max_running = knobs.max_running
+    strategy = args.mamba_radix_cache_strategy
+    if strategy == "auto" and not args.disable_radix_cache:
+        strategy = "extra_buffer" if args.linear_attn_backend == "triton" else "no_buffer"
+    resolved.update(
+        served_model_name=args.served_model_name or args.model_path,
+        tokenizer_path=args.model_path,
+        context_length=context,
+        max_running_requests=max_running,
+        attention_backend=attention,
+        prefill_attention_backend=args.prefill_attention_backend or attention,
+        decode_attention_backend=args.decode_attention_backend or attention,
+        sampling_backend=args.sampling_backend or "flashinfer",
+        chunked_prefill_size=args.chunked_prefill_size if args.chunked_prefill_size is not None else 8192,
+        mem_fraction_static=args.mem_fraction_static if args.mem_fraction_static is not None else 0.85,
+        speculative_algorithm=spec,
+        mamba_radix_cache_strategy=strategy,
+        log_level_http=args.log_level_http or args.log_level,
+        random_seed=args.random_seed if args.random_seed is not None else knobs.seed,
+    )
+    if spec is not None and args.speculative_num_steps is None:
+        resolved.update(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+    return resolved
+
+
+def _read_config(model_path: Path) -> dict[str, Any]:
+    path = model_path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{model_path}: no config.json (is the model staged there?)")
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return config
+
+
+def serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Run the server until SIGINT/SIGTERM; returns the process exit code."""
+    _setup_logging(args.log_level)
+    launch = shlex.join([sys.executable, "-m", "datagen.standin", *redacted_argv(argv)])
+    try:
+        knobs = Knobs.from_env()
+    except KnobError as exc:
+        logger.error("Invalid stand-in setting: %s", exc)
+        return 1
+    if args.served_model_name and ":" in args.served_model_name:
+        logger.error("served_model_name must not contain ':' (it separates base model and LoRA adapter).")
+        return 1
+    try:
+        config = _read_config(Path(args.model_path))
+    except (OSError, ValueError) as exc:
+        logger.error("Failed to load the model config: %s", exc)
+        return 1
+    try:
+        attention = check_gpu_arch(args, list(config.get("architectures") or []), knobs.gpu_arch)
+    except AssertionError:
+        # SGLang: the scheduler subprocess dies with the traceback, then the launcher tears everything down.
+        logger.error("Scheduler hit an exception: %s", traceback.format_exc())
+        logger.error("Received sigquit from a child process. It usually means the child failed.")
+        return 1
+    resolved = resolve_args(args, config, knobs, attention)
+    logger.info("server_args=ServerArgs(%s)", ", ".join(f"{k}={v!r}" for k, v in resolved.items()))
+    started = time.monotonic()
+    logger.info("Load weight begin. avail mem=94.50 GB")
+    try:
+        from datagen.chat import ChatTokenizer
+
+        tokenizer = ChatTokenizer.from_model_dir(args.model_path)
+    except Exception as exc:  # any failure to load is fatal, as in SGLang
+        logger.error("Failed to load the tokenizer/chat template from %s: %s", args.model_path, exc)
+        return 1
+    from datagen.standin.synthetic import SyntheticModel
+
+    model = SyntheticModel(tokenizer, knobs)
+    # The port stays closed while "loading", like SGLang before its schedulers report ready.
+    time.sleep(max(0.0, knobs.load_s - (time.monotonic() - started)))
+    arch = (config.get("architectures") or ["?"])[0]
+    logger.info("Load weight end. type=%s, dtype=torch.bfloat16, avail mem=42.10 GB, mem usage=52.40 GB.", arch)
+    return asyncio.run(_serve_http(args, knobs, config, tokenizer, model, resolved, launch))
+
+
+async def _serve_http(
+    args: argparse.Namespace,
+    knobs: Knobs,
+    config: dict[str, Any],
+    tokenizer: Any,
+    model: Any,
+    resolved: dict[str, Any],
+    launch: str,
+) -> int:
+    import uvicorn
+
+    from datagen.standin.app import build_app
+    from datagen.standin.scheduler import Req, Scheduler
+    from datagen.standin.state import ServerState, Status
+
+    per_dp = int(resolved["max_running_requests"])
+    context = int(resolved["context_length"])
+    max_total = knobs.max_total_tokens
+    scheduler = Scheduler(
+        knobs, max_running=per_dp * args.dp_size, max_queued=args.max_queued_requests, max_total_tokens=max_total
+    )
+    state = ServerState(
+        args=args,
+        knobs=knobs,
+        config=config,
+        tokenizer=tokenizer,
+        model=model,
+        scheduler=scheduler,
+        resolved=resolved,
+        launch_command=launch,
+        context_len=context,
+        max_req_input_len=min(context, max_total) - 6,
+        max_running_per_dp=per_dp,
+    )
+    state.fault_rng.seed(knobs.seed)
+    logger.info("KV Cache is allocated. #tokens: %d, K size: 10.70 GB, V size: 10.70 GB", max_total)
+    logger.info(
+        "max_total_num_tokens=%d, chunked_prefill_size=%s, max_running_requests=%d, context_len=%d, "
+        "available_gpu_mem=20.10 GB",
+        max_total,
+        resolved["chunked_prefill_size"],
+        per_dp,
+        context,
+    )
+
+    async def warmup() -> None:
+        if not args.skip_server_warmup:
+            await asyncio.sleep(knobs.warmup_s)
+            prompt = tokenizer.encode(_WARMUP_TEXT)
+            plan = model.plan(prompt, max_new_tokens=8)
+            req = Req(
+                rid=f"warmup-{id(plan)}",
+                prompt_len=len(prompt),
+                plan=plan,
+                future=asyncio.get_running_loop().create_future(),
+            )
+            scheduler.submit([req])
+            await req.future
+        state.status = Status.UP
+        logger.info("The server is fired up and ready to roll!")
+
+    @asynccontextmanager
+    async def lifespan(_: object) -> AsyncIterator[None]:
+        tasks = [asyncio.create_task(scheduler.run()), asyncio.create_task(warmup())]
+        try:
+            yield
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with suppress(asyncio.CancelledError):
+                    await t
+
+    app = build_app(state, lifespan)
+    http_level = (args.log_level_http or args.log_level).lower()
+    config_ = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_config=None,
+        log_level=http_level,
+        access_log=http_level in ("debug", "info"),
+        timeout_keep_alive=5,
+        timeout_graceful_shutdown=2,
+    )
+    server = uvicorn.Server(config_)
+    await server.serve()
+    # uvicorn reports a failed bind by setting should_exit without having started.
+    return 0 if server.started else 1
