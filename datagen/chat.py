@@ -110,6 +110,11 @@ class ChatTokenizer:
         ids: list[int] = self._fast.encode(text, add_special_tokens=False).ids
         return ids
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of `text` and each token's (start, end) character offsets into `text`."""
+        enc = self._fast.encode(text, add_special_tokens=False)
+        return list(enc.ids), [(int(a), int(b)) for a, b in enc.offsets]
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Token ids of many texts (parallel in the Rust tokenizer)."""
         return [e.ids for e in self._fast.encode_batch(texts, add_special_tokens=False)]

@@ -1,0 +1,540 @@
+"""Pure quality checks: one verdict per completion, summaries of what passed, and the dataset-level gate.
+
+Nothing here reads or writes files (tasks/validation.py does). Per-sample checks look at the token ids
+for structure (`</think>` 248069, stop ids 248046/248044) and at the server's text for content
+(whitespace-only thinking or answers, U+FFFD). Summaries hold only counters, so a 1M-sample run
+needs a few hundred kilobytes for them; duplicate detection holds one 8-byte hash per sample.
+
+The gate answers the question the placeholder incident never asked: does the dataset, as a whole,
+look like real model outputs on a diverse mix? It fails a run before publish with a report that
+shows the distributions that tripped it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import Counter
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from datagen.chat import ENDOFTEXT_ID, IM_END_ID, THINK_END_ID, THINK_START_ID
+from datagen.records import Completion, Reject
+from datagen.runspec import QualityGate, ValidationSpec
+
+__all__ = [
+    "NO_CATEGORY",
+    "STOP_IDS",
+    "VALIDATION_REASONS",
+    "DuplicateIndex",
+    "GateCheck",
+    "GateReport",
+    "QualityGateError",
+    "SummaryBuilder",
+    "TokenDistribution",
+    "ValidationSummary",
+    "Verdict",
+    "check_completion",
+    "check_quality_gate",
+    "completion_body",
+    "render_validation_report",
+    "repeated_ngram_share",
+]
+
+STOP_IDS = frozenset({IM_END_ID, ENDOFTEXT_ID})
+NO_CATEGORY = "(none)"
+NGRAM = 8  # ValidationSpec.max_repeated_ngram_share is defined over 8-grams
+# "\n" and "\n\n": the output format puts these between </think> and the answer; they are not answer tokens.
+_NEWLINE_IDS = frozenset({198, 271})
+
+# Every reason a validation reject can carry (stage "validate").
+VALIDATION_REASONS: tuple[str, ...] = (
+    "malformed_record",  # checkpoint line that is not a Completion
+    "empty_completion",  # no output ids at all
+    "token_count_mismatch",  # completion_tokens != len(output_ids): a corrupted record
+    "aborted",  # finish_reason "abort"
+    "unknown_finish_reason",
+    "truncated",  # finish_reason "length" (when ValidationSpec.reject_truncated)
+    "invalid_utf8",  # U+FFFD in the text: ids that do not decode to valid UTF-8
+    "unclosed_thinking",  # thinking on, finished, but no </think>
+    "malformed_thinking",  # <think> in the output, several </think>, or </think> with thinking off
+    "text_mismatch",  # ids hold </think> but the text does not
+    "empty_thinking",  # whitespace-only reasoning
+    "empty_answer",  # whitespace-only answer
+    "short_answer",  # answer below min_answer_tokens: the placeholder ("OK.") case
+    "repetition",  # too many repeated 8-grams: a loop
+    "duplicate_request",  # the same request key twice (a checkpoint written twice)
+    "duplicate_completion",  # the same output ids for a different prompt
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The outcome of the per-sample checks for one completion."""
+
+    reason: str | None  # None: accepted
+    detail: str = ""
+    answer_tokens: int = 0
+
+    @property
+    def accepted(self) -> bool:
+        return self.reason is None
+
+
+def completion_body(c: Completion) -> list[int]:
+    """The output ids without the trailing stop token (the ids that the server's text decodes)."""
+    ids = c.output_ids
+    if ids and c.finish_reason == "stop" and ids[-1] in STOP_IDS:
+        return ids[:-1]
+    return ids
+
+
+def repeated_ngram_share(ids: list[int], n: int = NGRAM) -> float:
+    """Share of the n-gram windows of `ids` that repeat an earlier window (0 for fewer than n ids)."""
+    windows = len(ids) - n + 1
+    if windows <= 0:
+        return 0.0
+    unique = len(set(zip(*(ids[i:] for i in range(n)), strict=False)))
+    return (windows - unique) / windows
+
+
+def _answer_token_count(answer_ids: list[int]) -> int:
+    i = 0
+    while i < len(answer_ids) and answer_ids[i] in _NEWLINE_IDS:
+        i += 1
+    return len(answer_ids) - i
+
+
+def check_completion(c: Completion, spec: ValidationSpec, enable_thinking: bool) -> Verdict:
+    """Run every stateless per-sample check; the first failing one names the reject reason."""
+    ids = c.output_ids
+    if not ids:
+        return Verdict("empty_completion", "the server returned no output ids")
+    if c.completion_tokens != len(ids):
+        return Verdict(
+            "token_count_mismatch", f"completion_tokens={c.completion_tokens} but {len(ids)} output ids were stored"
+        )
+    if c.finish_reason == "abort":
+        return Verdict("aborted", f"generation aborted: {c.meta.get('finish_message', 'no message')}")
+    if c.finish_reason not in ("stop", "length"):
+        return Verdict("unknown_finish_reason", f"finish_reason={c.finish_reason!r}")
+    truncated = c.finish_reason == "length"
+    if truncated and spec.reject_truncated:
+        return Verdict("truncated", f"cut at the token limit after {len(ids)} tokens")
+    if "\ufffd" in c.text:
+        pos = c.text.index("\ufffd")
+        return Verdict("invalid_utf8", f"U+FFFD at character {pos}: {c.text[max(0, pos - 30) : pos + 10]!r}")
+
+    body = completion_body(c)
+    n_end = body.count(THINK_END_ID)
+    answer_ids = body
+    answer_text = c.text
+    if enable_thinking:
+        if THINK_START_ID in body or n_end > 1:
+            return Verdict("malformed_thinking", f"{body.count(THINK_START_ID)} <think> and {n_end} </think> tokens")
+        if n_end == 0:
+            if truncated:
+                # Kept truncated samples (reject_truncated off) may stop inside the thinking: no answer to judge.
+                return _after_structure(c, body, spec, answer_tokens=0)
+            return Verdict("unclosed_thinking", f"no </think> ({THINK_END_ID}) in {len(body)} tokens")
+        k = body.index(THINK_END_ID)
+        reasoning_text, sep, answer_text = c.text.partition("</think>")
+        if not sep:
+            return Verdict("text_mismatch", "the output ids hold </think> but the text does not")
+        if not reasoning_text.strip():
+            return Verdict("empty_thinking", f"{k} reasoning tokens, all whitespace")
+        answer_ids = body[k + 1 :]
+    elif THINK_START_ID in body or n_end:
+        return Verdict("malformed_thinking", f"thinking is off but the output holds {n_end} </think> tokens")
+
+    answer_tokens = _answer_token_count(answer_ids)
+    if not truncated:
+        if not answer_text.strip():
+            return Verdict("empty_answer", f"answer is whitespace only ({answer_tokens} tokens)")
+        if answer_tokens < spec.min_answer_tokens:
+            return Verdict(
+                "short_answer",
+                f"answer has {answer_tokens} tokens (< {spec.min_answer_tokens}): {answer_text.strip()[:80]!r}",
+                answer_tokens,
+            )
+    return _after_structure(c, body, spec, answer_tokens)
+
+
+def _after_structure(c: Completion, body: list[int], spec: ValidationSpec, answer_tokens: int) -> Verdict:
+    share = repeated_ngram_share(body)
+    if share > spec.max_repeated_ngram_share:
+        return Verdict(
+            "repetition",
+            f"{share:.0%} of {NGRAM}-grams repeat (> {spec.max_repeated_ngram_share:.0%}); ends with {c.text[-80:]!r}",
+            answer_tokens,
+        )
+    return Verdict(None, "", answer_tokens)
+
+
+def _hash64(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+class DuplicateIndex:
+    """Remembers accepted samples by 8-byte hashes: the first one is kept, later copies are rejected."""
+
+    def __init__(self) -> None:
+        self._requests: set[int] = set()
+        self._outputs: dict[int, str] = {}
+
+    def check_and_add(self, c: Completion, reject_duplicate_completions: bool) -> Verdict:
+        """Reject a repeated request key, or output ids already accepted for another prompt; else remember them."""
+        rkey = _hash64(c.request_key.encode("utf-8"))
+        if rkey in self._requests:
+            return Verdict("duplicate_request", f"request key {c.request_key} was already accepted")
+        okey = _hash64(array("i", c.output_ids).tobytes())
+        if reject_duplicate_completions:
+            first = self._outputs.get(okey)
+            if first is not None and first != c.prompt_id:
+                return Verdict("duplicate_completion", f"same output ids as prompt {first} (kept)")
+        self._requests.add(rkey)
+        self._outputs.setdefault(okey, c.prompt_id)
+        return Verdict(None)
+
+
+class TokenDistribution(BaseModel):
+    """Exact distribution of a per-sample token count, kept as value -> number of samples."""
+
+    counts: dict[int, int] = Field(default_factory=dict, description="Token count -> number of samples.")
+
+    def add(self, value: int) -> None:
+        """Count one sample."""
+        self.counts[value] = self.counts.get(value, 0) + 1
+
+    @property
+    def n(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def total(self) -> int:
+        return sum(v * c for v, c in self.counts.items())
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.n if self.n else 0.0
+
+    def percentile(self, q: float) -> int:
+        """Nearest-rank percentile (q in 0..100); 0 for an empty distribution."""
+        n = self.n
+        if n == 0:
+            return 0
+        rank = max(1, -(-int(q * n) // 100))  # ceil(q/100 * n), at least 1
+        seen = 0
+        for value in sorted(self.counts):
+            seen += self.counts[value]
+            if seen >= rank:
+                return value
+        return max(self.counts)
+
+    def percentiles(self) -> dict[str, int]:
+        """min, p1 .. p99, max."""
+        if not self.counts:
+            return {}
+        out = {"min": min(self.counts)}
+        out.update({f"p{q}": self.percentile(q) for q in (1, 5, 10, 25, 50, 75, 90, 95, 99)})
+        out["max"] = max(self.counts)
+        return out
+
+    def share_at_most(self, limit: int) -> float:
+        """Share of samples with a value <= limit."""
+        n = self.n
+        return sum(c for v, c in self.counts.items() if v <= limit) / n if n else 0.0
+
+    def most_common(self, k: int = 3) -> list[tuple[int, int]]:
+        """The k most frequent values with their counts (a spike at one value is the placeholder signature)."""
+        return Counter(self.counts).most_common(k)
+
+    def histogram(self) -> list[tuple[int, int, int]]:
+        """(low, high, count) over power-of-two bins [0,1), [1,2), [2,4), [4,8) ... up to the largest value."""
+        if not self.counts:
+            return []
+        bins: list[tuple[int, int, int]] = []
+        lo, hi = 0, 1
+        top = max(self.counts)
+        while lo <= top:
+            bins.append((lo, hi, sum(c for v, c in self.counts.items() if lo <= v < hi)))
+            lo, hi = hi, hi * 2
+        return bins
+
+
+class ValidationSummary(BaseModel):
+    """What validation saw: counts per verdict, mix and length distributions of accepted samples, file paths."""
+
+    total: int = Field(0, description="Completions read (accepted + rejected).")
+    accepted: int = Field(0, description="Completions that passed every check.")
+    rejected: int = Field(0, description="Completions rejected by validation.")
+    reject_reasons: dict[str, int] = Field(default_factory=dict, description="Reason -> number of rejects.")
+    reject_examples: dict[str, str] = Field(default_factory=dict, description="Reason -> detail of its first reject.")
+    accepted_by_source: dict[str, int] = Field(default_factory=dict, description="Source -> accepted samples.")
+    rejected_by_source: dict[str, int] = Field(default_factory=dict, description="Source -> rejected samples.")
+    accepted_by_category: dict[str, int] = Field(default_factory=dict, description="Category -> accepted samples.")
+    finish_reasons: dict[str, int] = Field(default_factory=dict, description="Finish reason -> accepted samples.")
+    loss_tokens: TokenDistribution = Field(
+        default_factory=TokenDistribution,
+        description="Accepted samples' loss tokens: the whole completion (thinking, answer and EOS).",
+    )
+    answer_tokens: TokenDistribution = Field(
+        default_factory=TokenDistribution, description="Accepted samples' answer tokens (after </think>)."
+    )
+    accepted_paths: list[str] = Field(default_factory=list, description="Accepted completions, JSONL, per shard.")
+    reject_paths: list[str] = Field(default_factory=list, description="Validation rejects, JSONL, per shard.")
+
+
+class SummaryBuilder:
+    """Accumulates a ValidationSummary one sample at a time (counters only)."""
+
+    def __init__(self) -> None:
+        self.summary = ValidationSummary()
+
+    def accept(self, c: Completion, verdict: Verdict) -> None:
+        """Count an accepted completion."""
+        s = self.summary
+        s.total += 1
+        s.accepted += 1
+        _inc(s.accepted_by_source, c.source)
+        _inc(s.accepted_by_category, c.category or NO_CATEGORY)
+        _inc(s.finish_reasons, c.finish_reason)
+        s.loss_tokens.add(len(c.output_ids))
+        s.answer_tokens.add(verdict.answer_tokens)
+
+    def reject(self, r: Reject) -> None:
+        """Count a rejected completion."""
+        s = self.summary
+        s.total += 1
+        s.rejected += 1
+        _inc(s.reject_reasons, r.reason)
+        _inc(s.rejected_by_source, r.source)
+        s.reject_examples.setdefault(r.reason, r.detail)
+
+
+def _inc(d: dict[str, int], key: str) -> None:
+    d[key] = d.get(key, 0) + 1
+
+
+class GateCheck(BaseModel):
+    """One dataset-level check: the measured value against its limit."""
+
+    name: str
+    passed: bool
+    value: float
+    limit: float
+    comparison: Literal["<=", ">="]
+    message: str
+
+
+class GateReport(BaseModel):
+    """The quality gate's verdict over the whole dataset, with the evidence."""
+
+    passed: bool
+    checks: list[GateCheck]
+    evidence: list[str] = Field(default_factory=list, description="Distributions behind the failed checks.")
+
+    @property
+    def failures(self) -> list[GateCheck]:
+        return [c for c in self.checks if not c.passed]
+
+    @property
+    def text(self) -> str:
+        """Plain-text report: verdict, each check, then the evidence for failures."""
+        head = "quality gate PASSED" if self.passed else f"quality gate FAILED ({len(self.failures)} check(s))"
+        lines = [head]
+        for c in self.checks:
+            mark = "ok  " if c.passed else "FAIL"
+            lines.append(f"  [{mark}] {c.name}: {c.message}")
+        lines.extend(self.evidence)
+        return "\n".join(lines)
+
+    def raise_if_failed(self) -> None:
+        """Raise QualityGateError (carrying this report) when any check failed."""
+        if not self.passed:
+            raise QualityGateError(self)
+
+
+class QualityGateError(RuntimeError):
+    """The dataset failed the quality gate; nothing may be published. `report` holds the evidence."""
+
+    def __init__(self, report: GateReport | str) -> None:
+        super().__init__(report if isinstance(report, str) else report.text)
+        self.report = report if isinstance(report, GateReport) else None
+
+
+def _mix_evidence(title: str, counts: dict[str, int], total: int) -> str:
+    rows = sorted(counts.items(), key=lambda kv: -kv[1])[:8]
+    return f"  {title}: " + ", ".join(f"{k}={v} ({v / total:.1%})" for k, v in rows)
+
+
+def _length_evidence(dist: TokenDistribution) -> str:
+    pct = dist.percentiles()
+    spikes = ", ".join(f"{v} tokens: {c} ({c / dist.n:.1%})" for v, c in dist.most_common(3))
+    return (
+        "  loss tokens per sample: "
+        + ", ".join(f"{k}={v}" for k, v in pct.items())
+        + f"\n  most common loss-token counts: {spikes}"
+    )
+
+
+def check_quality_gate(
+    summary: ValidationSummary, gate: QualityGate, upstream_rejects: int = 0, downstream_rejects: int = 0
+) -> GateReport:
+    """Check the dataset against the gate.
+
+    Reject rate counts every prompt that went in: load/generate rejects (`upstream_rejects`), validation
+    rejects, and tokenization rejects (`downstream_rejects`, when the gate is re-run before publish).
+    Length and mix checks look at the accepted samples. Samples without a category label count in the
+    denominator of category shares but are not a category themselves.
+    """
+    accepted = summary.accepted - downstream_rejects
+    attempted = summary.total + upstream_rejects
+    rejected = summary.rejected + upstream_rejects + downstream_rejects
+    checks: list[GateCheck] = []
+    evidence: list[str] = []
+
+    if accepted <= 0:
+        checks.append(
+            GateCheck(
+                name="accepted_samples",
+                passed=False,
+                value=accepted,
+                limit=1,
+                comparison=">=",
+                message=f"no accepted samples out of {attempted}",
+            )
+        )
+    reject_rate = rejected / attempted if attempted else 0.0
+    ok = reject_rate <= gate.max_reject_rate
+    checks.append(
+        GateCheck(
+            name="reject_rate",
+            passed=ok,
+            value=reject_rate,
+            limit=gate.max_reject_rate,
+            comparison="<=",
+            message=f"{rejected}/{attempted} rejected = {reject_rate:.1%} (limit {gate.max_reject_rate:.1%})",
+        )
+    )
+    if not ok:
+        reasons = sorted(summary.reject_reasons.items(), key=lambda kv: -kv[1])
+        parts = [f"{k}={v}" for k, v in reasons]
+        if upstream_rejects:
+            parts.append(f"load/generate={upstream_rejects}")
+        if downstream_rejects:
+            parts.append(f"tokenize={downstream_rejects}")
+        evidence.append("  rejects by reason: " + ", ".join(parts))
+
+    dist = summary.loss_tokens
+    short = dist.share_at_most(gate.short_loss_tokens)
+    ok = short <= gate.max_short_share
+    checks.append(
+        GateCheck(
+            name="short_share",
+            passed=ok,
+            value=short,
+            limit=gate.max_short_share,
+            comparison="<=",
+            message=f"{short:.1%} of samples have <= {gate.short_loss_tokens} loss tokens "
+            f"(limit {gate.max_short_share:.1%})",
+        )
+    )
+    median = dist.percentile(50)
+    ok_median = median >= gate.min_median_completion_tokens
+    checks.append(
+        GateCheck(
+            name="median_completion_tokens",
+            passed=ok_median,
+            value=median,
+            limit=gate.min_median_completion_tokens,
+            comparison=">=",
+            message=f"median completion is {median} tokens (minimum {gate.min_median_completion_tokens})",
+        )
+    )
+    if dist.n and not (ok and ok_median):
+        evidence.append(_length_evidence(dist))
+
+    n = summary.accepted
+    for name, counts, limit, skip in (
+        ("source_share", summary.accepted_by_source, gate.max_source_share, None),
+        ("category_share", summary.accepted_by_category, gate.max_category_share, NO_CATEGORY),
+    ):
+        labelled = {k: v for k, v in counts.items() if k != skip}
+        if not n or not labelled:
+            continue
+        top, top_n = max(labelled.items(), key=lambda kv: kv[1])
+        share = top_n / n
+        ok = share <= limit
+        checks.append(
+            GateCheck(
+                name=name,
+                passed=ok,
+                value=share,
+                limit=limit,
+                comparison="<=",
+                message=f"largest is {top!r} with {top_n}/{n} = {share:.1%} (limit {limit:.1%})",
+            )
+        )
+        if not ok:
+            evidence.append(_mix_evidence(name.split("_")[0] + " mix", counts, n))
+
+    return GateReport(passed=all(c.passed for c in checks), checks=checks, evidence=evidence)
+
+
+def _bar(count: int, biggest: int, width: int = 40) -> str:
+    return "#" * (round(width * count / biggest) if biggest else 0)
+
+
+def _mix_table(title: str, counts: dict[str, int]) -> list[str]:
+    total = sum(counts.values()) or 1
+    lines = [f"| {title} | samples | share |", "|---|---:|---:|"]
+    for k, v in sorted(counts.items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {k} | {v} | {v / total:.1%} |")
+    return lines
+
+
+def render_validation_report(summary: ValidationSummary, gate_report: GateReport | None = None) -> str:
+    """Markdown for a Prefect artifact: gate verdict, rejects by reason, length distributions, source/category mix."""
+    out: list[str] = ["# Validation report", ""]
+    if gate_report is not None:
+        out += [f"**{'PASSED' if gate_report.passed else 'FAILED'}**: quality gate", ""]
+        out += ["| check | result | value | limit |", "|---|---|---:|---:|"]
+        for c in gate_report.checks:
+            out.append(
+                f"| {c.name} | {'ok' if c.passed else '**FAIL**'} | {c.value:.4g} | {c.comparison} {c.limit:.4g} |"
+            )
+        if gate_report.evidence:
+            out += ["", "```", *(e.strip("\n") for e in gate_report.evidence), "```"]
+        out.append("")
+    rate = summary.rejected / summary.total if summary.total else 0.0
+    out += [
+        f"{summary.total} completions: {summary.accepted} accepted, {summary.rejected} rejected ({rate:.1%}).",
+        "",
+        "## Rejects by reason",
+        "",
+        "| reason | count | first example |",
+        "|---|---:|---|",
+    ]
+    for reason, count in sorted(summary.reject_reasons.items(), key=lambda kv: -kv[1]):
+        example = summary.reject_examples.get(reason, "").replace("|", "\\|").replace("\n", " ")[:120]
+        out.append(f"| {reason} | {count} | {example} |")
+    for title, dist in (("Loss tokens per sample", summary.loss_tokens), ("Answer tokens", summary.answer_tokens)):
+        out += ["", f"## {title}", ""]
+        pct = dist.percentiles()
+        if not pct:
+            out.append("(no accepted samples)")
+            continue
+        out += ["| " + " | ".join(pct) + " | mean |", "|" + "---:|" * (len(pct) + 1)]
+        out.append("| " + " | ".join(str(v) for v in pct.values()) + f" | {dist.mean:.1f} |")
+        hist = dist.histogram()
+        biggest = max(c for _, _, c in hist)
+        out += ["", "```"]
+        for lo, hi, count in hist:
+            out.append(f"{lo:>7}-{hi - 1:<7} {count:>9} {_bar(count, biggest)}")
+        out.append("```")
+    out += ["", "## Mix (accepted samples)", "", *_mix_table("source", summary.accepted_by_source), ""]
+    out += _mix_table("category", summary.accepted_by_category)
+    return "\n".join(out) + "\n"

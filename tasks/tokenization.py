@@ -1,0 +1,424 @@
+"""Tokenization stage body: accepted completions in, training parquet (token ids + loss masks) and rejects parquet out.
+
+Token-exact (the default): a row is the rendered prompt's ids followed by the completion's `output_ids`
+exactly as the server sampled them. Generated text is never re-tokenized, because a drafter must learn
+the target's own token sequence, and BPE of the decoded text is not always the sequence the model
+produced. Every row is verified (prompt length against the server's count, decode round trips) and a
+row that fails becomes a Reject, never a training row.
+
+Output (all of it is what gets published):
+    staging_dir/data/train-00000-of-0000N.parquet     TOKEN_ROW_SCHEMA, `rows_per_file` rows each
+    staging_dir/rejects/rejects-00000-of-0000M.parquet REJECT_SCHEMA: upstream, validation and tokenize rejects
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict
+from itertools import chain
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import BaseModel, Field
+
+from datagen.chat import ChatTokenizer, TemplateError
+from datagen.dataset_card import DatasetSizes
+from datagen.quality import NO_CATEGORY, TokenDistribution, completion_body
+from datagen.records import REJECT_SCHEMA, TOKEN_ROW_SCHEMA, Completion, Message, Reject, TokenRow
+from tasks.validation import MalformedRecord, iter_jsonl_completions
+
+__all__ = [
+    "TOKENIZE_REASONS",
+    "RowRejected",
+    "TokenizationMode",
+    "TokenizationSummary",
+    "build_rerendered",
+    "build_token_exact",
+    "tokenize_accepted",
+]
+
+TokenizationMode = Literal["token_exact", "rerender"]
+
+TOKENIZE_REASONS: tuple[str, ...] = (
+    "malformed_record",
+    "template_error",  # the chat template refused the conversation
+    "prompt_token_mismatch",  # our prompt ids differ in length from what the server counted
+    "prompt_decode_mismatch",  # the prompt ids do not decode back to the rendered prompt
+    "completion_decode_mismatch",  # output ids do not decode to the server's text
+    "rerender_unsupported",  # rerender mode: truncated completion or no </think> to split at
+    "rerender_prefix_mismatch",  # rerender mode: the conversation does not start with the prompt
+)
+
+
+class RowRejected(ValueError):
+    """A completion that cannot become a verified training row."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def _first_difference(a: str, b: str) -> str:
+    i = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return f"first difference at character {i} (lengths {len(a)} vs {len(b)}): {a[i : i + 40]!r} vs {b[i : i + 40]!r}"
+
+
+def _num_turns(messages: list[Message]) -> int:
+    return max(1, sum(1 for m in messages if m.get("role") == "user"))
+
+
+def _row(c: Completion, input_ids: list[int], loss_mask: list[int], prompt_tokens: int) -> TokenRow:
+    return TokenRow(
+        prompt_id=c.prompt_id,
+        source=c.source,
+        input_ids=input_ids,
+        loss_mask=loss_mask,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=len(input_ids) - prompt_tokens,
+        finish_reason=c.finish_reason,
+        request_key=c.request_key,
+        category=c.category,
+        num_turns=_num_turns(c.messages),
+    )
+
+
+def _check_token_exact(
+    c: Completion, chat: ChatTokenizer, prompt_text: str, prompt_ids: list[int]
+) -> tuple[list[int], int]:
+    """Verify one row; return (input_ids, prompt length) or raise RowRejected."""
+    if len(prompt_ids) != c.prompt_tokens:
+        raise RowRejected(
+            "prompt_token_mismatch",
+            f"the template renders {len(prompt_ids)} prompt tokens, the server counted {c.prompt_tokens} "
+            f"(template {chat.template_hash}): the prompt sent differs from the one rendered here",
+        )
+    decoded = chat.decode(prompt_ids)
+    if decoded != prompt_text:
+        raise RowRejected("prompt_decode_mismatch", _first_difference(decoded, prompt_text))
+    body = completion_body(c)
+    text = chat.decode(body)
+    # The server may decode with skip_special_tokens; either rendering of the same ids proves they match.
+    if text != c.text and chat.decode(body, skip_special_tokens=True) != c.text:
+        raise RowRejected("completion_decode_mismatch", _first_difference(text, c.text))
+    return prompt_ids + c.output_ids, len(prompt_ids)
+
+
+def build_token_exact(c: Completion, chat: ChatTokenizer, enable_thinking: bool) -> TokenRow:
+    """Prompt ids + the server's output ids, loss on the completion (EOS included); raises RowRejected."""
+    try:
+        prompt_text = chat.render(c.messages, enable_thinking)
+    except TemplateError as exc:
+        raise RowRejected("template_error", str(exc)) from exc
+    ids, n_prompt = _check_token_exact(c, chat, prompt_text, chat.encode(prompt_text))
+    return _row(c, ids, [0] * n_prompt + [1] * (len(ids) - n_prompt), n_prompt)
+
+
+def build_rerendered(c: Completion, chat: ChatTokenizer, enable_thinking: bool) -> TokenRow:
+    """Re-render prompt + assistant turn through the template, re-tokenize, and mask the assistant span by offsets.
+
+    The assistant turn is the server's text as `content`; the template splits it at `</think>` into
+    reasoning and answer. The whole conversation is encoded once; a token gets loss 1 when its
+    character span overlaps the assistant span (end of the generation prompt to the closing `<|im_end|>`).
+
+    Where it agrees with token-exact: thinking on or off, single or multi-turn, whenever the model's ids
+    are the canonical BPE of its text and the text has the regular whitespace around `</think>` (then
+    the template reproduces the text byte for byte and BPE reproduces the ids).
+    Where it differs: (1) the model emitted a non-canonical split (e.g. "\\n" "\\n" as 198 198 where BPE
+    gives 271 "\\n\\n"): re-encoding silently replaces the model's real tokens; (2) the template
+    normalizes whitespace (strips newlines around the reasoning, re-inserts "\\n\\n" after `</think>`), so
+    the text trained on is not the text generated; (3) BPE merges across the prompt/completion boundary
+    (thinking off, an answer opening with "\\n" joins the prompt's "\\n\\n" into one token), so the loss
+    span starts inside a prompt token. Token-exact has none of these; rerender exists to compare with
+    the old scripts' behaviour and for sources without output ids.
+    """
+    if c.finish_reason != "stop":
+        raise RowRejected("rerender_unsupported", f"finish_reason={c.finish_reason!r}: no complete turn to render")
+    try:
+        prompt_text = chat.render(c.messages, enable_thinking)
+        if enable_thinking and "</think>" not in c.text:
+            raise RowRejected("rerender_unsupported", "no </think> in the text to split reasoning from answer")
+        # The template itself splits "reasoning</think>answer" (as the old scripts had it do), so its own
+        # whitespace rules apply, exactly as they would for any consumer re-rendering the conversation.
+        turn: Message = {"role": "assistant", "content": c.text}
+        conversation = chat.render_conversation([*c.messages, turn], enable_thinking)
+    except TemplateError as exc:
+        raise RowRejected("template_error", str(exc)) from exc
+    if not conversation.startswith(prompt_text):
+        raise RowRejected("rerender_prefix_mismatch", _first_difference(conversation, prompt_text))
+    # The template ends the turn with "<|im_end|>\n"; the model's turn ends at <|im_end|>.
+    if conversation.endswith("\n"):
+        conversation = conversation[:-1]
+    ids, offsets = chat.encode_with_offsets(conversation)
+    start = len(prompt_text)
+    mask = [1 if end > start else 0 for _, end in offsets]
+    n_prompt = mask.index(1) if 1 in mask else len(mask)
+    return _row(c, ids, mask, n_prompt)
+
+
+class TokenizationSummary(BaseModel):
+    """What tokenization wrote: rows, tokens, files (relative to the staging dir) and rejects by stage/reason."""
+
+    mode: TokenizationMode = Field(..., description="token_exact or rerender.")
+    rows: int = Field(0, description="Training rows written.")
+    input_tokens: int = Field(0, description="Sum of len(input_ids).")
+    prompt_tokens: int = Field(0, description="Sum of prompt tokens (loss mask 0).")
+    loss_tokens: TokenDistribution = Field(default_factory=TokenDistribution, description="Loss-mask sum per row.")
+    rows_by_source: dict[str, int] = Field(default_factory=dict, description="Source -> rows.")
+    rows_by_category: dict[str, int] = Field(default_factory=dict, description="Category -> rows.")
+    data_files: list[str] = Field(default_factory=list, description="Training parquet files, relative paths.")
+    reject_files: list[str] = Field(default_factory=list, description="Rejects parquet files, relative paths.")
+    data_bytes: int = Field(0, description="Bytes of the training parquet files.")
+    rejects_total: int = Field(0, description="Reject rows written (all stages).")
+    rejects_by_stage: dict[str, int] = Field(default_factory=dict, description="Stage -> reject rows.")
+    rejects_by_reason: dict[str, int] = Field(default_factory=dict, description="'stage/reason' -> reject rows.")
+    tokenize_rejected: int = Field(0, description="Completions rejected here (stage 'tokenize').")
+    missing_reject_paths: list[str] = Field(
+        default_factory=list, description="Extra reject files that did not exist (a stage with no rejects)."
+    )
+
+    @property
+    def n_rows(self) -> int:
+        return self.rows
+
+    @property
+    def n_rejects(self) -> int:
+        return self.rejects_total
+
+    def sizes(self) -> DatasetSizes:
+        """Sizes for the dataset card."""
+        return DatasetSizes(
+            num_examples=self.rows,
+            num_bytes=self.data_bytes,
+            num_input_tokens=self.input_tokens,
+            num_loss_tokens=self.loss_tokens.total,
+            num_rejects=self.rejects_total,
+            num_files=len(self.data_files),
+        )
+
+
+class _ParquetParts:
+    """Writes record batches into numbered part files of at most `rows_per_file` rows each."""
+
+    def __init__(self, tmp_dir: Path, schema: pa.Schema, rows_per_file: int) -> None:
+        self._dir = tmp_dir
+        self._schema = schema
+        self._rows_per_file = rows_per_file
+        self._writer: pq.ParquetWriter | None = None
+        self._in_file = 0
+        self.parts: list[Path] = []
+
+    def _open(self) -> pq.ParquetWriter:
+        path = self._dir / f"part-{len(self.parts):05d}.parquet"
+        self.parts.append(path)
+        self._in_file = 0
+        return pq.ParquetWriter(path, self._schema, compression="zstd")
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        offset = 0
+        while offset < batch.num_rows:
+            if self._writer is None or self._in_file >= self._rows_per_file:
+                if self._writer is not None:
+                    self._writer.close()
+                self._writer = self._open()
+            take = min(batch.num_rows - offset, self._rows_per_file - self._in_file)
+            self._writer.write_batch(batch.slice(offset, take))
+            self._in_file += take
+            offset += take
+
+    def close(self) -> list[Path]:
+        if self._writer is None:  # an empty dataset is still one readable file with the schema
+            self._writer = self._open()
+        self._writer.close()
+        return self.parts
+
+
+def _finalize(parts: list[Path], out_dir: Path, prefix: str) -> list[Path]:
+    n = len(parts)
+    final = [out_dir / f"{prefix}-{i:05d}-of-{n:05d}.parquet" for i in range(n)]
+    for src, dst in zip(parts, final, strict=True):
+        src.replace(dst)
+    return final
+
+
+def _token_batch(rows: list[TokenRow]) -> pa.RecordBatch:
+    lengths = np.fromiter((len(r.input_ids) for r in rows), dtype=np.int32, count=len(rows))
+    offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    total = int(offsets[-1])
+    ids = np.fromiter(chain.from_iterable(r.input_ids for r in rows), dtype=np.int32, count=total)
+    mask = np.fromiter(chain.from_iterable(r.loss_mask for r in rows), dtype=np.int8, count=total)
+    arrays = [
+        pa.array([r.prompt_id for r in rows], pa.string()),
+        pa.array([r.source for r in rows], pa.string()),
+        pa.array([r.category for r in rows], pa.string()),
+        pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids)),
+        pa.ListArray.from_arrays(pa.array(offsets), pa.array(mask)),
+        pa.array([r.prompt_tokens for r in rows], pa.int32()),
+        pa.array([r.completion_tokens for r in rows], pa.int32()),
+        pa.array([r.finish_reason for r in rows], pa.string()),
+        pa.array([r.request_key for r in rows], pa.string()),
+        pa.array([r.num_turns for r in rows], pa.int16()),
+    ]
+    return pa.RecordBatch.from_arrays(arrays, schema=TOKEN_ROW_SCHEMA)
+
+
+def _reject_batch(rejects: list[Reject]) -> pa.RecordBatch:
+    return pa.RecordBatch.from_pylist([asdict(r) for r in rejects], schema=REJECT_SCHEMA)
+
+
+def _read_rejects(path: Path) -> Iterator[Reject]:
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield Reject.from_json(line)
+            except (ValueError, TypeError) as exc:
+                # A reject file we cannot read would lose rejects silently: stop instead.
+                raise ValueError(f"{path}:{lineno}: not a Reject row: {exc}") from exc
+
+
+def _batches(paths: Iterable[Path], size: int) -> Iterator[list[tuple[Path, int, Completion | MalformedRecord]]]:
+    batch: list[tuple[Path, int, Completion | MalformedRecord]] = []
+    for path in paths:
+        for lineno, item in iter_jsonl_completions(path):
+            batch.append((path, lineno, item))
+            if len(batch) >= size:
+                yield batch
+                batch = []
+    if batch:
+        yield batch
+
+
+def _clean(directory: Path, pattern: str) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    # A previous attempt's files would be published alongside this one's: remove them first.
+    for stale in directory.glob(pattern):
+        stale.unlink()
+    tmp = directory / ".parts"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+
+
+def tokenize_accepted(
+    accepted_paths: Sequence[Path],
+    staging_dir: Path,
+    chat: ChatTokenizer,
+    enable_thinking: bool,
+    rows_per_file: int = 10_000,
+    mode: TokenizationMode = "token_exact",
+    extra_reject_paths: Sequence[Path] = (),
+    batch_size: int = 256,
+) -> TokenizationSummary:
+    """Write training parquet shards and one rejects dataset into `staging_dir`; return what was written.
+
+    `extra_reject_paths` are reject JSONL files of earlier stages (load, generate, validate) merged into
+    the rejects dataset. Existing `data/train-*.parquet` and `rejects/rejects-*.parquet` are replaced.
+    """
+    if rows_per_file < 1 or batch_size < 1:
+        raise ValueError("rows_per_file and batch_size must be >= 1")
+    data_dir, rejects_dir = staging_dir / "data", staging_dir / "rejects"
+    _clean(data_dir, "train-*.parquet")
+    _clean(rejects_dir, "rejects-*.parquet")
+    data = _ParquetParts(data_dir / ".parts", TOKEN_ROW_SCHEMA, rows_per_file)
+    rejects = _ParquetParts(rejects_dir / ".parts", REJECT_SCHEMA, 1_000_000)
+    summary = TokenizationSummary(mode=mode)
+    pending: list[Reject] = []
+
+    def reject(r: Reject) -> None:
+        summary.rejects_total += 1
+        summary.rejects_by_stage[r.stage] = summary.rejects_by_stage.get(r.stage, 0) + 1
+        key = f"{r.stage}/{r.reason}"
+        summary.rejects_by_reason[key] = summary.rejects_by_reason.get(key, 0) + 1
+        if r.stage == "tokenize":
+            summary.tokenize_rejected += 1
+        pending.append(r)
+        if len(pending) >= 10_000:
+            rejects.write(_reject_batch(pending))
+            pending.clear()
+
+    for path in map(Path, extra_reject_paths):
+        if not path.exists():
+            summary.missing_reject_paths.append(str(path))
+            continue
+        for r in _read_rejects(path):
+            reject(r)
+
+    for batch in _batches(map(Path, accepted_paths), batch_size):
+        rows: list[TokenRow] = []
+        completions: list[Completion] = []
+        for path, lineno, item in batch:
+            if isinstance(item, MalformedRecord):
+                reject(Reject("tokenize", "malformed_record", f"{path.name}:{lineno}: {item}", path.name))
+            else:
+                completions.append(item)
+        built = _build_batch(completions, chat, enable_thinking, mode)
+        for c, result in zip(completions, built, strict=True):
+            if isinstance(result, RowRejected):
+                reject(
+                    Reject("tokenize", result.reason, result.detail, c.source, c.row, c.prompt_id, len(c.output_ids))
+                )
+            else:
+                rows.append(result)
+        if rows:
+            data.write(_token_batch(rows))
+        for row in rows:
+            summary.rows += 1
+            summary.input_tokens += len(row.input_ids)
+            summary.prompt_tokens += row.prompt_tokens
+            summary.loss_tokens.add(sum(row.loss_mask))
+            summary.rows_by_source[row.source] = summary.rows_by_source.get(row.source, 0) + 1
+            cat = row.category or NO_CATEGORY
+            summary.rows_by_category[cat] = summary.rows_by_category.get(cat, 0) + 1
+
+    if pending:
+        rejects.write(_reject_batch(pending))
+    data_files = _finalize(data.close(), data_dir, "train")
+    reject_files = _finalize(rejects.close(), rejects_dir, "rejects")
+    (data_dir / ".parts").rmdir()
+    (rejects_dir / ".parts").rmdir()
+    summary.data_files = [str(p.relative_to(staging_dir)) for p in data_files]
+    summary.reject_files = [str(p.relative_to(staging_dir)) for p in reject_files]
+    summary.data_bytes = sum(p.stat().st_size for p in data_files)
+    return summary
+
+
+def _build_batch(
+    completions: list[Completion], chat: ChatTokenizer, enable_thinking: bool, mode: TokenizationMode
+) -> list[TokenRow | RowRejected]:
+    out: list[TokenRow | RowRejected] = []
+    if mode == "rerender":
+        for c in completions:
+            try:
+                out.append(build_rerendered(c, chat, enable_thinking))
+            except RowRejected as exc:
+                out.append(exc)
+        return out
+    texts: list[str | None] = []
+    template_errors: dict[int, RowRejected] = {}
+    for i, c in enumerate(completions):
+        try:
+            texts.append(chat.render(c.messages, enable_thinking))
+        except TemplateError as exc:
+            texts.append(None)
+            template_errors[i] = RowRejected("template_error", str(exc))
+    # One parallel encode for the whole batch (the Rust tokenizer spreads it over cores).
+    encoded = iter(chat.encode_batch([t for t in texts if t is not None]))
+    for i, (c, text) in enumerate(zip(completions, texts, strict=True)):
+        if text is None:
+            out.append(template_errors[i])
+            continue
+        prompt_ids = next(encoded)
+        try:
+            ids, n_prompt = _check_token_exact(c, chat, text, prompt_ids)
+        except RowRejected as exc:
+            out.append(exc)
+            continue
+        out.append(_row(c, ids, [0] * n_prompt + [1] * (len(ids) - n_prompt), n_prompt))
+    return out

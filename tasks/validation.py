@@ -1,0 +1,187 @@
+"""Validation stage body: generation checkpoints in, accepted completions + reject rows out, one pair per shard.
+
+Streams each shard line by line (design scale ~1M samples): only counters and one 8-byte hash per
+accepted sample stay in memory. Shards are read in the order given, so "first copy kept" for
+duplicates is deterministic. Each output file is written under a temporary name and renamed when
+complete, so a crash never leaves a half shard that looks finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+from datagen.quality import (
+    DuplicateIndex,
+    GateReport,
+    QualityGateError,
+    SummaryBuilder,
+    ValidationSummary,
+    Verdict,
+    check_completion,
+    check_quality_gate,
+    render_validation_report,
+)
+from datagen.records import Completion, Reject
+from datagen.runspec import ValidationSpec
+
+# The gate and the report are re-exported so the flow finds the whole validation stage here.
+__all__ = [
+    "SUMMARY_NAME",
+    "GateReport",
+    "MalformedRecord",
+    "QualityGateError",
+    "ValidationSummary",
+    "check_quality_gate",
+    "iter_jsonl_completions",
+    "render_validation_report",
+    "shard_stem",
+    "validate_shards",
+]
+
+SUMMARY_NAME = "validation-summary.json"
+
+# Fields a checkpoint line must carry with these types; anything else is a malformed record, not a crash.
+_REQUIRED: dict[str, type | tuple[type, ...]] = {
+    "prompt_id": str,
+    "source": str,
+    "row": int,
+    "messages": list,
+    "request_key": str,
+    "prompt_tokens": int,
+    "output_ids": list,
+    "text": str,
+    "finish_reason": str,
+    "completion_tokens": int,
+}
+
+
+class MalformedRecord(ValueError):
+    """A checkpoint line that is not a Completion; carries what could be read of it."""
+
+    def __init__(self, message: str, raw: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.raw = raw or {}
+
+
+def _parse(line: str) -> Completion:
+    try:
+        raw = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise MalformedRecord(f"not JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise MalformedRecord(f"not a JSON object: {type(raw).__name__}")
+    for key, typ in _REQUIRED.items():
+        if not isinstance(raw.get(key), typ):
+            raise MalformedRecord(f"field {key!r} missing or not {typ}", raw)
+    if not all(isinstance(i, int) for i in raw["output_ids"]):
+        raise MalformedRecord("output_ids holds non-integers", raw)
+    try:
+        return Completion(**raw)
+    except TypeError as exc:  # unknown keys
+        raise MalformedRecord(str(exc), raw) from exc
+
+
+def iter_jsonl_completions(path: Path) -> Iterator[tuple[int, Completion | MalformedRecord]]:
+    """Yield (line number, Completion or the MalformedRecord error) for each non-empty line of a JSONL file."""
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, _parse(line)
+            except MalformedRecord as exc:
+                yield lineno, exc
+
+
+def shard_stem(path: Path) -> str:
+    """`shard-00003` for `shard-00003.completions.jsonl` (output names follow their input's)."""
+    name = path.name
+    for suffix in (".completions.jsonl", ".accepted.jsonl", ".jsonl"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return path.stem
+
+
+@contextmanager
+def _atomic_text(path: Path) -> Iterator[IO[str]]:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _reject(c: Completion, v: Verdict) -> Reject:
+    assert v.reason is not None
+    return Reject(
+        stage="validate",
+        reason=v.reason,
+        detail=v.detail,
+        source=c.source,
+        row=c.row,
+        prompt_id=c.prompt_id,
+        completion_tokens=len(c.output_ids),
+    )
+
+
+def _malformed(path: Path, lineno: int, err: MalformedRecord) -> Reject:
+    raw = err.raw
+    row = raw.get("row")
+    prompt_id = raw.get("prompt_id")
+    return Reject(
+        stage="validate",
+        reason="malformed_record",
+        detail=f"{path.name}:{lineno}: {err}",
+        source=str(raw.get("source") or path.name),
+        row=row if isinstance(row, int) else None,
+        prompt_id=prompt_id if isinstance(prompt_id, str) else None,
+    )
+
+
+def validate_shards(
+    completion_paths: list[Path], out_dir: Path, spec: ValidationSpec, enable_thinking: bool
+) -> ValidationSummary:
+    """Check every completion; write `<shard>.accepted.jsonl` and `<shard>.rejects.jsonl` per shard into `out_dir`.
+
+    Also writes `validation-summary.json` (the returned summary) into `out_dir`. Every input line ends
+    up in exactly one of the two outputs.
+    """
+    stems = [shard_stem(Path(p)) for p in completion_paths]
+    if len(set(stems)) != len(stems):
+        raise ValueError(f"two input shards map to the same output name: {stems}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    builder = SummaryBuilder()
+    duplicates = DuplicateIndex()
+    for path, stem in zip(map(Path, completion_paths), stems, strict=True):
+        accepted_path = out_dir / f"{stem}.accepted.jsonl"
+        rejects_path = out_dir / f"{stem}.rejects.jsonl"
+        with _atomic_text(accepted_path) as acc, _atomic_text(rejects_path) as rej:
+            for lineno, item in iter_jsonl_completions(path):
+                if isinstance(item, MalformedRecord):
+                    r = _malformed(path, lineno, item)
+                    builder.reject(r)
+                    rej.write(r.to_json() + "\n")
+                    continue
+                verdict = check_completion(item, spec, enable_thinking)
+                if verdict.accepted:
+                    dup = duplicates.check_and_add(item, spec.reject_duplicate_completions)
+                    if not dup.accepted:
+                        verdict = dup
+                if verdict.accepted:
+                    builder.accept(item, verdict)
+                    acc.write(item.to_json() + "\n")
+                else:
+                    r = _reject(item, verdict)
+                    builder.reject(r)
+                    rej.write(r.to_json() + "\n")
+        builder.summary.accepted_paths.append(str(accepted_path))
+        builder.summary.reject_paths.append(str(rejects_path))
+    summary = builder.summary
+    (out_dir / SUMMARY_NAME).write_text(summary.model_dump_json(indent=1), encoding="utf-8")
+    return summary

@@ -1,0 +1,161 @@
+"""The dataset-level gate: the placeholder incident and the narrow-mix incident must both stop a run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from datagen.chat import IM_END_ID, ChatTokenizer
+from datagen.model_fixture import ensure_model_dir
+from datagen.quality import (
+    QualityGateError,
+    TokenDistribution,
+    ValidationSummary,
+    check_quality_gate,
+    render_validation_report,
+)
+from datagen.records import Completion, prompt_id_for
+from datagen.runspec import QualityGate, ValidationSpec
+from tasks.validation import validate_shards
+
+GATE = QualityGate()
+REAL_ANSWER = (
+    "Tides come from the Moon's gravity pulling unevenly on the Earth: the near side is pulled harder than "
+    "the centre, the far side less, so water bulges on both sides. As the planet turns beneath those bulges, "
+    "most coasts see two high and two low tides a day, with springs at new and full moon."
+)
+
+
+def summary_of(
+    lengths: dict[int, int], sources: dict[str, int], categories: dict[str, int] | None = None
+) -> ValidationSummary:
+    """An all-accepted summary with the given loss-token counts and mix."""
+    n = sum(lengths.values())
+    return ValidationSummary(
+        total=n,
+        accepted=n,
+        loss_tokens=TokenDistribution(counts=dict(lengths)),
+        answer_tokens=TokenDistribution(counts=dict(lengths)),
+        accepted_by_source=sources,
+        accepted_by_category=categories or {"(none)": n},
+        finish_reasons={"stop": n},
+    )
+
+
+def test_distribution_percentiles_and_shares() -> None:
+    d = TokenDistribution()
+    for v in [1, 2, 3, 4, 100]:
+        d.add(v)
+    assert (d.percentile(50), d.percentile(100), d.percentile(1)) == (3, 100, 1)
+    assert d.share_at_most(3) == pytest.approx(0.6)
+    assert d.mean == pytest.approx(22.0)
+    assert d.histogram()[:4] == [(0, 1, 0), (1, 2, 1), (2, 4, 2), (4, 8, 1)]
+    assert sum(c for _, _, c in d.histogram()) == 5
+
+
+def test_healthy_dataset_passes() -> None:
+    s = summary_of({400: 300, 1200: 400, 3000: 300}, {"a": 400, "b": 350, "c": 250}, {"code": 300, "chat": 700})
+    report = check_quality_gate(s, QualityGate(max_source_share=0.5, max_category_share=0.8))
+    assert report.passed, report.text
+    report.raise_if_failed()
+    assert "quality gate PASSED" in report.text
+
+
+def test_placeholder_incident_87_percent_at_6_loss_tokens_fails() -> None:
+    s = summary_of({6: 870, 900: 130}, {"sharegpt": 1000})
+    report = check_quality_gate(s, GATE)
+    assert not report.passed
+    failed = {c.name for c in report.failures}
+    assert failed == {"short_share", "median_completion_tokens"}
+    assert "87.0% of samples have <= 16 loss tokens" in report.text
+    # The report shows the spike that gives the incident away.
+    assert "6 tokens: 870 (87.0%)" in report.text
+    with pytest.raises(QualityGateError, match="short_share") as err:
+        report.raise_if_failed()
+    assert err.value.report is report
+
+
+@pytest.fixture(scope="module")
+def chat() -> ChatTokenizer:
+    return ChatTokenizer.from_model_dir(ensure_model_dir())
+
+
+def _placeholder_shard(chat: ChatTokenizer, path: Path, n: int, n_real: int) -> Path:
+    """n thinking-off completions, all but n_real of them the placeholder 'OK.'."""
+    lines = []
+    for i in range(n):
+        messages = [{"role": "user", "content": f"Conversation {i}: tell me something."}]
+        text = "OK." if i >= n_real else f"Answer {i}. {REAL_ANSWER}"
+        ids = [*chat.encode(text), IM_END_ID]
+        pid = prompt_id_for("sharegpt", messages)
+        c = Completion(pid, "sharegpt", i, messages, f"rk-{pid}", 20, ids, text, "stop", len(ids))
+        lines.append(c.to_json())
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_placeholder_set_through_validation_trips_the_gate_either_way(chat: ChatTokenizer, tmp_path: Path) -> None:
+    shard = _placeholder_shard(chat, tmp_path / "shard-00000.completions.jsonl", 100, 13)
+    # Default spec: the placeholders are rejected one by one, and the reject rate stops the run.
+    strict = validate_shards([shard], tmp_path / "strict", ValidationSpec(), enable_thinking=False)
+    report = check_quality_gate(strict, GATE)
+    assert [c.name for c in report.failures] == ["reject_rate"]
+    assert "short_answer=87" in report.text
+    # Identical placeholders are also duplicates; with both per-sample checks off the distribution still stops it.
+    lax_spec = ValidationSpec(min_answer_tokens=0, reject_duplicate_completions=False)
+    lax = validate_shards([shard], tmp_path / "lax", lax_spec, enable_thinking=False)
+    assert lax.accepted == 100
+    report = check_quality_gate(lax, GATE)
+    assert {c.name for c in report.failures} == {"short_share", "median_completion_tokens"}
+    assert "3 tokens: 87 (87.0%)" in report.text  # "OK" "." <|im_end|>
+
+
+def test_80_percent_one_source_fails_with_the_mix() -> None:
+    s = summary_of({800: 1000}, {"codealpaca": 800, "nemotron": 150, "infinity": 50})
+    report = check_quality_gate(s, QualityGate(max_source_share=0.5))
+    assert [c.name for c in report.failures] == ["source_share"]
+    assert "largest is 'codealpaca' with 800/1000 = 80.0% (limit 50.0%)" in report.text
+    assert "codealpaca=800 (80.0%), nemotron=150 (15.0%), infinity=50 (5.0%)" in report.text
+
+
+def test_category_share_ignores_unlabelled_samples() -> None:
+    s = summary_of({800: 1000}, {"a": 1000}, {"coding": 770, "(none)": 230})
+    report = check_quality_gate(s, QualityGate(max_category_share=0.5))
+    assert [c.name for c in report.failures] == ["category_share"]
+    assert "'coding' with 770/1000 = 77.0%" in report.text
+    unlabelled = check_quality_gate(summary_of({800: 10}, {"a": 10}), QualityGate(max_category_share=0.5))
+    assert unlabelled.passed, unlabelled.text
+
+
+def test_reject_rate_counts_upstream_and_downstream_rejects() -> None:
+    s = summary_of({800: 100}, {"a": 100})
+    assert check_quality_gate(s, GATE, upstream_rejects=25).passed  # 25/125 = 20%
+    report = check_quality_gate(s, GATE, upstream_rejects=25, downstream_rejects=1)
+    assert [c.name for c in report.failures] == ["reject_rate"]
+    assert "26/125 rejected" in report.text
+    assert "load/generate=25, tokenize=1" in report.text
+
+
+def test_empty_dataset_fails() -> None:
+    report = check_quality_gate(ValidationSummary(total=5, rejected=5, reject_reasons={"truncated": 5}), GATE)
+    assert not report.passed
+    assert "no accepted samples out of 5" in report.text
+
+
+def test_error_accepts_plain_text() -> None:
+    err = QualityGateError("quality gate FAILED (1 check(s))")
+    assert err.report is None and "FAILED" in str(err)
+
+
+def test_markdown_report_shows_verdict_histogram_and_mix() -> None:
+    s = summary_of({6: 870, 900: 130}, {"sharegpt": 1000}, {"chat": 1000})
+    s.total, s.rejected = 1010, 10
+    s.reject_reasons, s.reject_examples = {"truncated": 10}, {"truncated": "cut at the token limit after 8192 tokens"}
+    md = render_validation_report(s, check_quality_gate(s, GATE))
+    assert "**FAILED**: quality gate" in md
+    assert "| short_share | **FAIL** | 0.87 | <= 0.05 |" in md
+    assert "| truncated | 10 | cut at the token limit after 8192 tokens |" in md
+    hist = [line for line in md.splitlines() if line.strip().startswith("4-7")]
+    assert hist and hist[0].rstrip().endswith("#" * 40)  # the 870 samples at 6 tokens fill the widest bar
+    assert "| sharegpt | 1000 | 100.0% |" in md and "| chat | 1000 | 100.0% |" in md

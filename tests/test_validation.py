@@ -1,0 +1,226 @@
+"""Per-sample validation: one crafted completion per reject reason, and the shard-level stage body."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from datagen.chat import IM_END_ID, THINK_END_ID, ChatTokenizer
+from datagen.model_fixture import ensure_model_dir
+from datagen.quality import VALIDATION_REASONS, DuplicateIndex, check_completion, repeated_ngram_share
+from datagen.records import Completion, Reject, prompt_id_for
+from datagen.runspec import ValidationSpec
+from tasks.validation import SUMMARY_NAME, render_validation_report, validate_shards
+
+SPEC = ValidationSpec()
+REASONING = "The user wants a short explanation of photosynthesis, so I will describe light and sugar."
+ANSWER = "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen inside chloroplasts."
+
+
+@pytest.fixture(scope="module")
+def chat() -> ChatTokenizer:
+    return ChatTokenizer.from_model_dir(ensure_model_dir())
+
+
+def make(
+    chat: ChatTokenizer,
+    text: str,
+    *,
+    thinking: bool = True,
+    finish: str = "stop",
+    question: str = "Explain photosynthesis.",
+    source: str = "src",
+    category: str | None = None,
+    request_key: str | None = None,
+) -> Completion:
+    """A completion as the server would return it: canonical ids of `text`, plus EOS when it stopped."""
+    messages = [{"role": "user", "content": question}]
+    ids = chat.encode(text) + ([IM_END_ID] if finish == "stop" else [])
+    pid = prompt_id_for(source, messages)
+    return Completion(
+        prompt_id=pid,
+        source=source,
+        row=0,
+        messages=messages,
+        request_key=request_key or f"rk-{pid}",
+        prompt_tokens=len(chat.prompt_ids(messages, thinking)),
+        output_ids=ids,
+        text=text,
+        finish_reason=finish,
+        completion_tokens=len(ids),
+        category=category,
+    )
+
+
+def thinking_text(reasoning: str = REASONING, answer: str = ANSWER) -> str:
+    return f"{reasoning}\n</think>\n\n{answer}"
+
+
+def test_good_thinking_completion_is_accepted_and_counts_answer_tokens(chat: ChatTokenizer) -> None:
+    c = make(chat, thinking_text())
+    assert THINK_END_ID in c.output_ids
+    v = check_completion(c, SPEC, enable_thinking=True)
+    assert v.accepted, v.detail
+    assert v.answer_tokens == len(chat.encode(ANSWER))
+
+
+def test_good_thinking_off_completion_is_accepted(chat: ChatTokenizer) -> None:
+    v = check_completion(make(chat, ANSWER, thinking=False), SPEC, enable_thinking=False)
+    assert v.accepted, v.detail
+
+
+def _invalid_utf8_completion(chat: ChatTokenizer) -> Completion:
+    # A CJK character spans several byte-level tokens; its first token alone is an incomplete UTF-8 sequence.
+    ids = chat.encode("龘")
+    assert len(ids) > 1
+    c = make(chat, thinking_text())
+    c.output_ids = chat.encode(REASONING + "\n</think>\n\n") + ids[:1] + chat.encode(ANSWER) + [IM_END_ID]
+    c.completion_tokens = len(c.output_ids)
+    c.text = chat.decode(c.output_ids[:-1])
+    assert "\ufffd" in c.text
+    return c
+
+
+CASES: list[tuple[str, str, bool]] = [
+    # (reason, how the completion is crafted, enable_thinking)
+    ("empty_completion", "no_ids", True),
+    ("token_count_mismatch", "bad_count", True),
+    ("aborted", "abort", True),
+    ("unknown_finish_reason", "weird_finish", True),
+    ("truncated", "length", True),
+    ("invalid_utf8", "utf8", True),
+    ("unclosed_thinking", "no_think_end", True),
+    ("malformed_thinking", "two_think_ends", True),
+    ("malformed_thinking", "think_end_with_thinking_off", False),
+    ("empty_thinking", "empty_reasoning", True),
+    ("empty_answer", "empty_answer", True),
+    ("short_answer", "placeholder", True),
+    ("short_answer", "placeholder", False),
+    ("repetition", "loop", True),
+]
+
+
+def _craft(chat: ChatTokenizer, how: str, thinking: bool) -> Completion:
+    if how == "no_ids":
+        c = make(chat, "")
+        c.output_ids, c.completion_tokens = [], 0
+        return c
+    if how == "bad_count":
+        c = make(chat, thinking_text())
+        c.completion_tokens += 5
+        return c
+    if how == "abort":
+        return make(chat, REASONING, finish="abort")
+    if how == "weird_finish":
+        return make(chat, thinking_text(), finish="nan")
+    if how == "length":
+        return make(chat, REASONING, finish="length")
+    if how == "utf8":
+        return _invalid_utf8_completion(chat)
+    if how == "no_think_end":
+        return make(chat, REASONING + " " + ANSWER)
+    if how == "two_think_ends":
+        return make(chat, thinking_text(answer=f"{ANSWER}\n</think>\n\n{ANSWER}"))
+    if how == "think_end_with_thinking_off":
+        return make(chat, thinking_text(), thinking=False)
+    if how == "empty_reasoning":
+        return make(chat, thinking_text(reasoning="  "))
+    if how == "empty_answer":
+        return make(chat, thinking_text(answer=""))
+    if how == "placeholder":
+        return make(chat, thinking_text(answer="OK.") if thinking else "OK.", thinking=thinking)
+    if how == "loop":
+        return make(chat, thinking_text(reasoning="Wait, let me check that again. " * 60))
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize(("reason", "how", "thinking"), CASES, ids=[f"{r}-{h}" for r, h, _ in CASES])
+def test_each_reject_reason(chat: ChatTokenizer, reason: str, how: str, thinking: bool) -> None:
+    v = check_completion(_craft(chat, how, thinking), SPEC, enable_thinking=thinking)
+    assert v.reason == reason, v.detail
+    assert v.detail
+    assert reason in VALIDATION_REASONS
+
+
+def test_placeholder_detail_quotes_the_answer(chat: ChatTokenizer) -> None:
+    v = check_completion(make(chat, thinking_text(answer="OK.")), SPEC, enable_thinking=True)
+    assert v.reason == "short_answer"
+    assert "'OK.'" in v.detail and "2 tokens" in v.detail
+
+
+def test_truncated_kept_when_allowed_even_inside_thinking(chat: ChatTokenizer) -> None:
+    spec = ValidationSpec(reject_truncated=False)
+    v = check_completion(make(chat, REASONING, finish="length"), spec, enable_thinking=True)
+    assert v.accepted, v.detail
+
+
+def test_repeated_ngram_share() -> None:
+    assert repeated_ngram_share(list(range(100))) == 0.0
+    assert repeated_ngram_share([1, 2, 3]) == 0.0
+    # 10 distinct ids repeated 10 times: every window after the first 10 repeats one seen before.
+    assert repeated_ngram_share(list(range(10)) * 10) == pytest.approx(83 / 93)
+
+
+def test_duplicates_first_kept_later_rejected_naming_first(chat: ChatTokenizer) -> None:
+    index = DuplicateIndex()
+    first = make(chat, thinking_text(), question="Q1")
+    second = make(chat, thinking_text(), question="Q2")
+    assert index.check_and_add(first, True).accepted
+    v = index.check_and_add(second, True)
+    assert v.reason == "duplicate_completion"
+    assert first.prompt_id in v.detail
+    again = make(chat, thinking_text(answer=ANSWER + " Again."), question="Q3", request_key=first.request_key)
+    assert index.check_and_add(again, True).reason == "duplicate_request"
+    assert DuplicateIndex().check_and_add(second, False).accepted
+
+
+def _write(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def test_validate_shards_accounts_for_every_line(chat: ChatTokenizer, tmp_path: Path) -> None:
+    good = [make(chat, thinking_text(answer=f"{ANSWER} Fact {i}."), question=f"Q{i}") for i in range(5)]
+    dup = make(chat, thinking_text(answer=f"{ANSWER} Fact 0."), question="another question")
+    shard0 = _write(
+        tmp_path / "shard-00000.completions.jsonl",
+        [good[0].to_json(), good[1].to_json(), make(chat, thinking_text(answer="OK."), question="p").to_json()],
+    )
+    shard1 = _write(
+        tmp_path / "shard-00001.completions.jsonl",
+        [good[2].to_json(), "{not json", json.dumps({"source": "x", "row": 3}), dup.to_json(), "", good[3].to_json()],
+    )
+    out = tmp_path / "validated"
+    summary = validate_shards([shard0, shard1], out, SPEC, enable_thinking=True)
+
+    assert (summary.total, summary.accepted, summary.rejected) == (8, 4, 4)
+    assert summary.reject_reasons == {"short_answer": 1, "malformed_record": 2, "duplicate_completion": 1}
+    assert summary.accepted_by_source == {"src": 4}
+    assert summary.loss_tokens.n == 4
+    assert [Path(p).name for p in summary.accepted_paths] == [
+        "shard-00000.accepted.jsonl",
+        "shard-00001.accepted.jsonl",
+    ]
+    accepted = [Completion.from_json(line) for p in summary.accepted_paths for line in Path(p).read_text().splitlines()]
+    assert [c.prompt_id for c in accepted] == [good[i].prompt_id for i in range(4)]
+    rejects = [Reject.from_json(line) for p in summary.reject_paths for line in Path(p).read_text().splitlines()]
+    assert len(rejects) == 4 and all(r.stage == "validate" for r in rejects)
+    by_reason = {r.reason: r for r in rejects}
+    assert good[0].prompt_id in by_reason["duplicate_completion"].detail
+    assert by_reason["duplicate_completion"].prompt_id == dup.prompt_id
+    assert "shard-00001.completions.jsonl:2" in {r.detail.split(": ")[0] for r in rejects}
+    assert json.loads((out / SUMMARY_NAME).read_text())["accepted"] == 4
+    assert not list(out.glob(".*.tmp"))
+
+    report = render_validation_report(summary)
+    assert "| short_answer | 1 |" in report and "| src | 4 | 100.0% |" in report
+
+
+def test_validate_shards_rejects_colliding_output_names(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    a = _write(tmp_path / "a" / "shard-00000.completions.jsonl", [])
+    b = _write(tmp_path / "shard-00000.completions.jsonl", [])
+    with pytest.raises(ValueError, match="same output name"):
+        validate_shards([a, b], tmp_path / "out", SPEC, enable_thinking=True)
