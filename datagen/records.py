@@ -66,6 +66,7 @@ class Reject:
     row: int | None = None
     prompt_id: str | None = None
     completion_tokens: int | None = None
+    request_key: str | None = None  # generation stage: content key, so a rerun knows this request is settled
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), ensure_ascii=False)
@@ -84,6 +85,7 @@ REJECT_SCHEMA = pa.schema(
         pa.field("row", pa.int64()),
         pa.field("prompt_id", pa.string()),
         pa.field("completion_tokens", pa.int64()),
+        pa.field("request_key", pa.string()),
     ]
 )
 

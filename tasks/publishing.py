@@ -1,0 +1,288 @@
+"""Publish a staged dataset to `s3://bucket/prefix/<namespace>/`, never replacing or deleting anything.
+
+Order of writes under the namespace:
+
+1. `publish-claim.json`: the sorted list of (key, size, sha256) to be published. Whoever creates it owns the
+   namespace; a re-run of the same files finds its own claim (same bytes) and resumes, any other publish is
+   refused before it writes a byte of data.
+2. every file of the staging directory, keyed by its relative path (data/*.parquet, rejects/*.parquet,
+   README.md), with its sha256 as object metadata; files already there with the same sha256 are skipped.
+3. `manifest.json`, LAST: every object with size and sha256, row counts, and the lineage. A namespace without
+   manifest.json holds an incomplete dataset.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, Field
+
+from datagen.storage import ObjectExists, ObjectInfo, ObjectStore, sha256_file
+
+__all__ = [
+    "CLAIM_NAME",
+    "MANIFEST_NAME",
+    "PublishError",
+    "PublishResult",
+    "StagedFile",
+    "publish",
+    "stage_files",
+]
+
+CLAIM_NAME = "publish-claim.json"
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "datagen-manifest/1"
+CLAIM_FORMAT = "datagen-publish-claim/1"
+DEFAULT_WORKERS = 4
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+class PublishError(RuntimeError):
+    """Publishing was refused or stopped; the message names the namespace or the offending s3:// key."""
+
+
+class StagedFile(BaseModel):
+    """One file to publish: its key relative to the namespace, size and sha256."""
+
+    key: str
+    size: int
+    sha256: str
+
+
+class PublishResult(BaseModel):
+    """What a publish wrote (or, in a dry run, would write)."""
+
+    uri: str = Field(description="s3://bucket/prefix/namespace/")
+    namespace: str
+    objects: int = Field(description="Objects of the published dataset, claim and manifest included.")
+    bytes: int = Field(description="Their total size in bytes.")
+    manifest_key: str = Field(description="Key of manifest.json, relative to the store's prefix.")
+    written: list[str] = Field(default_factory=list, description="Keys written by this call (empty in a dry run).")
+    skipped: list[str] = Field(default_factory=list, description="Keys already there with identical sha256.")
+    planned: list[str] = Field(default_factory=list, description="Dry run only: keys that would be written.")
+    dry_run: bool = False
+
+
+def stage_files(staging_dir: Path, workers: int = DEFAULT_WORKERS) -> list[StagedFile]:
+    """Every file under staging_dir with relative key, size and sha256, sorted by key."""
+    root = Path(staging_dir)
+    if not root.is_dir():
+        raise PublishError(f"staging directory {root} does not exist")
+    paths = sorted(p for p in root.rglob("*") if p.is_file())
+    if not paths:
+        raise PublishError(f"staging directory {root} is empty: nothing to publish")
+    keys = [p.relative_to(root).as_posix() for p in paths]
+    for reserved in (CLAIM_NAME, MANIFEST_NAME):
+        if reserved in keys:
+            raise PublishError(f"{root / reserved} is reserved for the publisher; remove it from the staging directory")
+    # hashlib releases the GIL on large buffers, so hashing in threads uses several cores.
+    digests = _parallel(sha256_file, paths, workers)
+    return [StagedFile(key=k, size=p.stat().st_size, sha256=d) for k, p, d in zip(keys, paths, digests, strict=True)]
+
+
+def _parallel(fn: Callable[[_T], _R], items: Iterable[_T], workers: int) -> list[_R]:
+    """fn over items in a thread pool, results in order; the first failure cancels what has not started."""
+    items = list(items)
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        futures: list[Future[_R]] = [pool.submit(fn, item) for item in items]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for future in futures:
+            error = future.exception() if future in done else None
+            if error is not None:
+                for other in futures:
+                    other.cancel()
+                raise error
+        return [f.result() for f in futures]
+
+
+def _claim_body(namespace: str, files: list[StagedFile]) -> bytes:
+    # Deterministic bytes (no timestamps): a re-run of the same files produces the identical claim.
+    body = {
+        "format": CLAIM_FORMAT,
+        "namespace": namespace,
+        "objects": [f.model_dump() for f in files],
+    }
+    return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
+
+
+def _manifest_body(
+    uri: str, namespace: str, objects: list[StagedFile], lineage: dict[str, Any], row_counts: dict[str, int]
+) -> bytes:
+    entries = []
+    for obj in objects:
+        entry: dict[str, Any] = obj.model_dump()
+        if obj.key in row_counts:
+            entry["rows"] = row_counts[obj.key]
+        entries.append(entry)
+    body = {
+        "format": MANIFEST_FORMAT,
+        "uri": uri,
+        "namespace": namespace,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "objects": entries,
+        "total_bytes": sum(o.size for o in objects),
+        "total_rows": {
+            "data": sum(n for k, n in row_counts.items() if k.startswith("data/")),
+            "rejects": sum(n for k, n in row_counts.items() if k.startswith("rejects/")),
+        },
+        "lineage": lineage,
+    }
+    try:
+        return (json.dumps(body, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
+    except (TypeError, ValueError) as exc:
+        raise PublishError(f"lineage for namespace {namespace!r} is not plain JSON: {exc}") from None
+
+
+def _row_counts(lineage: dict[str, Any]) -> dict[str, int]:
+    raw = lineage.get("row_counts", {})
+    if not isinstance(raw, dict) or not all(isinstance(k, str) and isinstance(v, int) for k, v in raw.items()):
+        raise PublishError("lineage['row_counts'] must map object keys (e.g. 'data/part-00000.parquet') to ints")
+    return dict(raw)
+
+
+def publish(
+    staging_dir: Path,
+    namespace: str,
+    store: ObjectStore,
+    lineage: dict[str, Any],
+    dry_run: bool = False,
+    workers: int = DEFAULT_WORKERS,
+) -> PublishResult:
+    """Upload staging_dir under namespace/ (claim first, manifest last), resuming an interrupted identical publish.
+
+    `lineage` goes into the manifest verbatim (run spec, model fingerprint, SGLang version, GPU type,
+    chat-template hash, pipeline version); an optional `lineage["row_counts"]` maps keys to row counts.
+    """
+    ns = namespace.strip("/")
+    if not ns or "/" in ns or ns in (".", ".."):
+        raise PublishError(f"invalid namespace {namespace!r}")
+    uri = store.uri(ns + "/")
+    manifest_key = f"{ns}/{MANIFEST_NAME}"
+    claim_key = f"{ns}/{CLAIM_NAME}"
+
+    files = stage_files(staging_dir, workers)
+    claim = _claim_body(ns, files)
+    claim_file = StagedFile(key=CLAIM_NAME, size=len(claim), sha256=hashlib.sha256(claim).hexdigest())
+    row_counts = _row_counts(lineage)
+    unknown = sorted(set(row_counts) - {f.key for f in files})
+    if unknown:
+        raise PublishError(f"lineage['row_counts'] names files that are not staged: {unknown[:5]}")
+    # Built (and validated) before any write: a lineage that is not JSON must not leave a half-published namespace.
+    manifest = _manifest_body(uri, ns, [claim_file, *files], lineage, row_counts)
+    expected = {f.key: f for f in [claim_file, *files]}
+
+    if store.head(manifest_key) is not None:
+        raise PublishError(
+            f"{store.uri(manifest_key)} already exists: the dataset in namespace {ns!r} is published; "
+            "choose a new namespace"
+        )
+    present = _verify_existing(store, ns, expected, workers)
+
+    to_write = [f for f in files if f.key not in present]
+    claim_needed = CLAIM_NAME not in present
+    total_bytes = sum(f.size for f in expected.values()) + len(manifest)
+    result = PublishResult(
+        uri=uri,
+        namespace=ns,
+        objects=len(expected) + 1,
+        bytes=total_bytes,
+        manifest_key=manifest_key,
+        skipped=sorted(f"{ns}/{k}" for k in present),
+        dry_run=dry_run,
+    )
+    if dry_run:
+        result.planned = ([claim_key] if claim_needed else []) + [f"{ns}/{f.key}" for f in to_write] + [manifest_key]
+        return result
+
+    if claim_needed:
+        try:
+            store.put_if_absent(claim_key, claim, sha256=claim_file.sha256)
+            result.written.append(claim_key)
+        except ObjectExists as exc:
+            # Lost a race for the namespace; an identical claim is a twin publish of the same files.
+            if exc.existing_sha256 != claim_file.sha256:
+                raise PublishError(
+                    f"{store.uri(claim_key)} was just created by another publish of different files; "
+                    f"namespace {ns!r} is taken: choose a new namespace"
+                ) from None
+            result.skipped.append(claim_key)
+
+    staging = Path(staging_dir)
+
+    def upload(f: StagedFile) -> bool:
+        key = f"{ns}/{f.key}"
+        try:
+            store.put_if_absent(key, staging / f.key, sha256=f.sha256)
+        except ObjectExists as exc:
+            if exc.existing_sha256 == f.sha256:
+                return False  # identical bytes arrived meanwhile (a twin publish): nothing to do
+            raise PublishError(
+                f"{store.uri(key)} appeared during the upload with different content "
+                f"(sha256 {exc.existing_sha256}, ours {f.sha256}); publish stopped, nothing was replaced"
+            ) from None
+        return True
+
+    uploaded = _parallel(upload, to_write, workers)
+    for f, wrote in zip(to_write, uploaded, strict=True):
+        (result.written if wrote else result.skipped).append(f"{ns}/{f.key}")
+
+    # Before the manifest makes the dataset visible, the namespace must hold exactly our objects.
+    stray = sorted(o.key for o in store.list(ns + "/") if o.key[len(ns) + 1 :] not in expected)
+    if stray:
+        raise PublishError(
+            f"{store.uri(stray[0])} (and {len(stray) - 1} more) appeared in namespace {ns!r} during the publish "
+            "and is not part of this dataset; manifest not written"
+        )
+    try:
+        store.put_if_absent(manifest_key, manifest)
+    except ObjectExists:
+        raise PublishError(
+            f"{store.uri(manifest_key)} was written by another publish meanwhile; namespace {ns!r} is published"
+        ) from None
+    result.written.append(manifest_key)
+    result.skipped.sort()
+    return result
+
+
+def _verify_existing(store: ObjectStore, ns: str, expected: dict[str, StagedFile], workers: int) -> set[str]:
+    """Keys (relative to the namespace) already present with our sha256; refuse anything else found there."""
+    existing = list(store.list(ns + "/"))
+    for obj in existing:
+        rel = obj.key[len(ns) + 1 :]
+        if rel not in expected:
+            raise PublishError(
+                f"{store.uri(obj.key)} already exists and is not part of this dataset: namespace {ns!r} holds "
+                "other data; choose a new namespace"
+            )
+        if obj.size != expected[rel].size:
+            raise PublishError(_differs(store, obj.key, f"size {obj.size}, ours {expected[rel].size}", ns))
+
+    def check(obj: ObjectInfo) -> str:
+        rel = obj.key[len(ns) + 1 :]
+        head = store.head(obj.key)
+        found = head.sha256 if head is not None else None
+        if found != expected[rel].sha256:
+            raise PublishError(_differs(store, obj.key, f"sha256 {found}, ours {expected[rel].sha256}", ns))
+        return rel
+
+    return set(_parallel(check, existing, workers))
+
+
+def _differs(store: ObjectStore, key: str, what: str, ns: str) -> str:
+    if key.endswith("/" + CLAIM_NAME):
+        return (
+            f"{store.uri(key)} already exists: namespace {ns!r} is claimed by a publish of different files ({what}); "
+            "choose a new namespace"
+        )
+    return (
+        f"{store.uri(key)} already exists with different content ({what}); it will not be replaced: "
+        "choose a new namespace"
+    )

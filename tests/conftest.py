@@ -1,0 +1,2 @@
+# Shared fixtures live in their own modules; this file only makes them visible to every test.
+from tests.s3_fixtures import *  # noqa: F403
