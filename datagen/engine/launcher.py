@@ -1,0 +1,629 @@
+"""Start, watch and stop the generation servers: one SGLang (or stand-in) process per GPU.
+
+The stand-in is launched through exactly the same code path as SGLang, with the same flags; only
+the interpreter and module differ (`engine_command`). SGLang's launch flags live here and nowhere else.
+
+Errors::
+
+    ServerStartError        a server exited or did not become healthy in time; the message holds
+                            the last lines of its log (what a person reads in the Prefect UI)
+    └── PortInUseError      a server's port already answers before we start anything
+
+Teardown is guaranteed for every server the pipeline started: each runs in its own process group,
+which gets SIGTERM, then SIGKILL after a grace period, when the fleet's `with` block ends (success,
+exception, KeyboardInterrupt), at interpreter exit (atexit) and on SIGTERM/SIGHUP to this process.
+A SIGKILL of this process cannot be intercepted; its servers then outlive it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import IO, Any, overload
+from urllib.parse import urlsplit
+
+import httpx
+from pydantic import SecretStr
+
+from datagen.endpoints import ServerEndpoint
+from datagen.layout import RunLayout
+from datagen.runspec import RunSpec
+from datagen.settings import Settings
+
+__all__ = [
+    "ATTACH_HEALTH_TIMEOUT_S",
+    "LOG_TAIL_LINES",
+    "STOP_GRACE_S",
+    "PortInUseError",
+    "ServerFleet",
+    "ServerStartError",
+    "arch_args",
+    "engine_command",
+    "launch_flags",
+    "log_tail",
+    "mask_command",
+    "server_command",
+    "server_env",
+    "stop_process_group",
+]
+
+logger = logging.getLogger(__name__)
+
+STOP_GRACE_S = 30.0  # SIGTERM -> SIGKILL; SGLang's own shutdown kills its scheduler children within this
+LOG_TAIL_LINES = 30
+ATTACH_HEALTH_TIMEOUT_S = 60.0  # attached servers should already be up; don't wait half an hour for a typo
+_POLL_S = 0.25
+_HEALTH_TIMEOUT_S = 25.0  # SGLang's /health handler may poll its scheduler for up to 20 s
+_MASK = "***"
+_SECRET_FLAGS = ("--api-key", "--admin-api-key")
+
+
+class ServerStartError(RuntimeError):
+    """A server exited or did not become healthy; the message ends with the last lines of its log."""
+
+    def __init__(self, name: str, reason: str, log_path: Path | None, tail: Sequence[str]) -> None:
+        self.name = name
+        self.reason = reason
+        self.log_path = log_path
+        self.tail = list(tail)
+        where = f" (log: {log_path})" if log_path else ""
+        text = f"server {name} {reason}{where}"
+        if self.tail:
+            text += f"\n--- last {len(self.tail)} log lines ---\n" + "\n".join(self.tail)
+        super().__init__(text)
+
+
+class PortInUseError(ServerStartError):
+    """Something already listens on a port a server was about to use (a leftover server, say)."""
+
+
+# --- command lines ---------------------------------------------------------------------------------
+
+
+def engine_command(settings: Settings) -> list[str]:
+    """Interpreter and module that start one server: SGLang in its own venv, or the stand-in."""
+    if settings.engine == "standin":
+        return [sys.executable, "-m", "datagen.standin"]
+    return [settings.engine_python, "-m", "sglang.launch_server"]
+
+
+def _flag_given(args: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def arch_args(capabilities: Sequence[str], user_args: Sequence[str] = ()) -> list[str]:
+    """Flags chosen by GPU architecture: flashinfer attention on SM120 (FA3/FA4 are rejected there)."""
+    sm120 = any(c.split(".", 1)[0] == "12" for c in capabilities)
+    # An explicit choice in the run spec wins; the environment check rejects fa3/fa4 on SM120.
+    if sm120 and not _flag_given(user_args, "--attention-backend"):
+        return ["--attention-backend", "flashinfer"]
+    return []  # elsewhere SGLang's own default (fa3 on Hopper, triton/trtllm_mha on SM100)
+
+
+def launch_flags(settings: Settings, spec: RunSpec, port: int, api_key: str, nccl_port: int | None = None) -> list[str]:
+    """Every launch flag of one server (the key in clear: never log this, log `mask_command`)."""
+    flags = [
+        "--model-path",
+        spec.model_path,
+        "--served-model-name",
+        spec.served_model_name,
+        "--host",
+        settings.server_host,
+        "--port",
+        str(port),
+        "--api-key",
+        api_key,
+        "--tp-size",
+        "1",  # one server per GPU: PCIe-only boxes, no tensor parallelism
+        "--reasoning-parser",
+        "qwen3",
+        "--language-model-only",  # text-only bulk work: skip the vision tower, more KV/mamba memory
+        "--context-length",
+        str(spec.context_length),
+    ]
+    if nccl_port is not None:
+        # Servers started together otherwise each pick "a free port" and can pick the same one.
+        flags += ["--nccl-port", str(nccl_port)]
+    return [*flags, *arch_args(settings.allowed_compute_capabilities, spec.server_args), *spec.server_args]
+
+
+def server_command(
+    settings: Settings, spec: RunSpec, index: int, api_key: SecretStr, nccl_port: int | None = None
+) -> list[str]:
+    """The full argv of server `index` (listening on base_port + index)."""
+    flags = launch_flags(settings, spec, settings.base_port + index, api_key.get_secret_value(), nccl_port)
+    return [*engine_command(settings), *flags]
+
+
+def mask_command(argv: Sequence[str]) -> str:
+    """The command line as a shell string with API key values replaced by ***."""
+    out: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next:
+            out.append(_MASK)
+            hide_next = False
+            continue
+        flag = arg.split("=", 1)[0]
+        # argparse accepts unambiguous abbreviations (--api-k), so those carry the key too.
+        secret = len(flag) > 5 and any(s.startswith(flag) for s in _SECRET_FLAGS)
+        if secret and "=" in arg:
+            out.append(f"{flag}={_MASK}")
+        elif secret:
+            out.append(arg)
+            hide_next = True
+        else:
+            out.append(arg)
+    return shlex.join(out)
+
+
+def server_env(index: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment of server `index`: only GPU `index` visible, numbered as nvidia-smi numbers them."""
+    env = dict(os.environ if base is None else base)
+    env["CUDA_VISIBLE_DEVICES"] = str(index)
+    # CUDA's default order is "fastest first"; PCI order makes index i the GPU nvidia-smi calls i.
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    env["PYTHONUNBUFFERED"] = "1"  # so the log tail in an error message is current
+    return env
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
+    """The last `lines` lines of a log file (empty when it does not exist)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 256 * 1024))
+            data = f.read()
+    except OSError:
+        return []
+    return data.decode("utf-8", "replace").splitlines()[-lines:]
+
+
+# --- processes -------------------------------------------------------------------------------------
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_process_group(proc: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM the process group led by `proc`, SIGKILL whatever is left after `grace_s`, reap the leader."""
+    pgid = proc.pid  # started with start_new_session=True: pid == pgid
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        proc.poll()  # reap the leader, or the group stays "alive" as a zombie
+        if not _group_alive(pgid):
+            return
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
+def _port_open(host: str, port: int, timeout: float = 1.0) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _free_ports(n: int, exclude: Iterable[int]) -> list[int]:
+    """`n` distinct ports that are free now (the kernel's choice), none of them in `exclude`."""
+    taken = set(exclude)
+    ports: list[int] = []
+    while len(ports) < n:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in taken:
+            taken.add(port)
+            ports.append(port)
+    return ports
+
+
+def _connect_host(host: str) -> str:
+    # A server bound to all interfaces is reached through loopback.
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
+def _url(host: str, port: int) -> str:
+    h = _connect_host(host)
+    return f"http://[{h}]:{port}" if ":" in h else f"http://{h}:{port}"
+
+
+def _read_capacity(info: Mapping[str, Any]) -> int | None:
+    states = info.get("internal_states")
+    if isinstance(states, list) and states:
+        values = [s.get("effective_max_running_requests_per_dp") for s in states if isinstance(s, dict)]
+        if values and all(isinstance(v, int) and v > 0 for v in values):
+            return sum(v for v in values if isinstance(v, int))
+    fallback = info.get("max_running_requests")
+    return fallback if isinstance(fallback, int) and fallback > 0 else None
+
+
+@dataclass
+class _Server:
+    """One server the fleet manages (started by us, or attached)."""
+
+    name: str
+    url: str
+    index: int
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    log_path: Path | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    log_file: IO[bytes] | None = None
+    endpoint: ServerEndpoint | None = None
+    ready_at: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+# --- teardown on exit and signals ------------------------------------------------------------------
+
+_live_fleets: set[ServerFleet] = set()
+_registry_lock = threading.RLock()
+_previous_handlers: dict[int, Any] = {}
+_TEARDOWN_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _stop_all_fleets() -> None:
+    with _registry_lock:
+        fleets = list(_live_fleets)
+    for fleet in fleets:
+        fleet.stop()
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    logger.warning("signal %d: stopping the servers this process started", signum)
+    _stop_all_fleets()
+    previous = _previous_handlers.get(signum, signal.SIG_DFL)
+    if callable(previous):
+        previous(signum, frame)  # e.g. Prefect's own cancellation handler
+    elif previous != signal.SIG_IGN:
+        # Default action was "terminate": exit, unwinding `finally` blocks on the way.
+        raise SystemExit(128 + signum)
+
+
+def _register(fleet: ServerFleet) -> None:
+    with _registry_lock:
+        _live_fleets.add(fleet)
+        if threading.current_thread() is not threading.main_thread() or _previous_handlers:
+            return  # handlers can only be set from the main thread; atexit and __exit__ still apply
+        for sig in _TEARDOWN_SIGNALS:
+            _previous_handlers[sig] = signal.getsignal(sig)
+            signal.signal(sig, _on_signal)
+
+
+def _unregister(fleet: ServerFleet) -> None:
+    with _registry_lock:
+        _live_fleets.discard(fleet)
+        if _live_fleets or not _previous_handlers:
+            return
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in _previous_handlers.items():
+                signal.signal(sig, handler)
+            _previous_handlers.clear()
+
+
+atexit.register(_stop_all_fleets)
+
+
+# --- the fleet -------------------------------------------------------------------------------------
+
+
+class ServerFleet(Sequence[ServerEndpoint]):
+    """The pipeline's servers: started (or attached) on `with`, always stopped after; a sequence of endpoints.
+
+    Attach mode (Settings.server_urls non-empty): servers managed elsewhere are only health-checked,
+    never started, restarted or stopped.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        spec: RunSpec,
+        layout: RunLayout,
+        api_key: SecretStr,
+        *,
+        stop_grace_s: float = STOP_GRACE_S,
+        attach_timeout_s: float = ATTACH_HEALTH_TIMEOUT_S,
+    ) -> None:
+        self.settings = settings
+        self.spec = spec
+        self.layout = layout
+        self._api_key = api_key
+        self.stop_grace_s = stop_grace_s
+        self.attach_timeout_s = attach_timeout_s
+        self.attached = bool(settings.server_urls)
+        self.engine_version: str | None = None
+        self._servers: list[_Server] = []
+        self._stopped = False
+        # Orders "may we launch?" against stop(): a restart racing a teardown must not leak a server.
+        # Re-entrant: a SIGTERM handler may run stop() on the thread that holds it.
+        self._launch_lock = threading.RLock()
+        if self.attached:
+            self._servers = [
+                _Server(name=f"server-{i}", url=url.rstrip("/"), index=i) for i, url in enumerate(settings.server_urls)
+            ]
+        else:
+            nccl_ports = _free_ports(
+                settings.num_servers, exclude=range(settings.base_port, settings.base_port + settings.num_servers)
+            )
+            for i in range(settings.num_servers):
+                self._servers.append(
+                    _Server(
+                        name=f"gpu{i}",
+                        url=_url(settings.server_host, settings.base_port + i),
+                        index=i,
+                        argv=server_command(settings, spec, i, api_key, nccl_ports[i]),
+                        env=server_env(i),
+                        log_path=layout.logs_dir / f"server-{i}.log",
+                    )
+                )
+
+    # Sequence[ServerEndpoint] ---------------------------------------------------------------------
+
+    @property
+    def endpoints(self) -> list[ServerEndpoint]:
+        """Current endpoint of every ready server, in server order."""
+        return [s.endpoint for s in self._servers if s.endpoint is not None]
+
+    @overload
+    def __getitem__(self, index: int) -> ServerEndpoint: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[ServerEndpoint]: ...
+    def __getitem__(self, index: int | slice) -> ServerEndpoint | list[ServerEndpoint]:
+        return self.endpoints[index]
+
+    def __len__(self) -> int:
+        return len(self.endpoints)
+
+    def __iter__(self) -> Iterator[ServerEndpoint]:
+        return iter(self.endpoints)
+
+    def __hash__(self) -> int:  # identity: fleets live in a set for atexit/signal teardown
+        return id(self)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    # lifecycle --------------------------------------------------------------------------------------
+
+    def __enter__(self) -> ServerFleet:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def pids(self) -> dict[str, int]:
+        """Process (and process-group) id of every server this fleet started and has not stopped."""
+        return {s.name: s.proc.pid for s in self._servers if s.proc is not None}
+
+    def start(self) -> list[ServerEndpoint]:
+        """Start every server (or check attached ones) and wait until all are healthy; stop all on failure."""
+        if self.attached:
+            self._wait_all(self._servers, self.attach_timeout_s)
+            return self.endpoints
+        self._stopped = False
+        _register(self)
+        try:
+            self.layout.logs_dir.mkdir(parents=True, exist_ok=True)
+            for server in self._servers:
+                self._check_port_free(server)
+            for server in self._servers:
+                self._launch(server, note="starting")
+            self._wait_all(self._servers, self.settings.server_start_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self.endpoints
+
+    def stop(self) -> None:
+        """Stop every server this fleet started (attached servers are never touched); idempotent."""
+        if self.attached:
+            return
+        with self._launch_lock:
+            self._stopped = True
+            started = [s for s in self._servers if s.proc is not None]
+        if started:
+            logger.info("stopping %d server(s)", len(started))
+        # In parallel: eight servers each taking the full grace period would otherwise add up.
+        with ThreadPoolExecutor(max_workers=max(1, len(started))) as pool:
+            list(pool.map(self._stop_server, started))
+        _unregister(self)
+
+    def endpoint(self, name: str) -> ServerEndpoint:
+        """The current endpoint of server `name`."""
+        server = self._find(name)
+        if server.endpoint is None:
+            raise KeyError(f"server {name} is not ready")
+        return server.endpoint
+
+    def restart(self, server: str | ServerEndpoint) -> None:
+        """Restart one server and wait until it is healthy again (usable as the dispatcher's on_server_down).
+
+        In attach mode the server is only waited for. Calls that arrive while a restart of the same
+        server is under way wait for that restart instead of starting another.
+        """
+        name = server if isinstance(server, str) else server.name
+        target = self._find(name)
+        asked_at = time.monotonic()
+        with target.lock:
+            if target.ready_at > asked_at:
+                return  # another caller restarted it after we asked
+            if self.attached:
+                self._wait_ready(target, self.attach_timeout_s, threading.Event())
+                return
+            logger.warning("restarting server %s", name)
+            self._stop_server(target)
+            self._launch(target, note="restarting")
+            try:
+                self._wait_ready(target, self.settings.server_start_timeout_s, threading.Event())
+            except BaseException:
+                self._stop_server(target)
+                raise
+
+    # internals --------------------------------------------------------------------------------------
+
+    def _find(self, name: str) -> _Server:
+        for s in self._servers:
+            if s.name == name:
+                return s
+        raise KeyError(f"no server named {name!r} (have {', '.join(s.name for s in self._servers)})")
+
+    def _check_port_free(self, server: _Server) -> None:
+        parts = urlsplit(server.url)
+        if parts.hostname and parts.port and _port_open(parts.hostname, parts.port):
+            raise PortInUseError(
+                server.name,
+                f"cannot start: port {parts.port} already answers (a leftover server? find it with "
+                f"`ss -ltnp 'sport = :{parts.port}'`, or choose another DATAGEN_BASE_PORT)",
+                None,
+                [],
+            )
+
+    def _launch(self, server: _Server, note: str) -> None:
+        assert server.log_path is not None
+        with self._launch_lock:
+            if self._stopped:
+                raise RuntimeError(f"the fleet is stopped; not {note} {server.name}")
+            self._popen(server, server.log_path, note)
+
+    def _popen(self, server: _Server, log_path: Path, note: str) -> None:
+        log_file = log_path.open("ab")
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        shown = f"CUDA_VISIBLE_DEVICES={server.env['CUDA_VISIBLE_DEVICES']} {mask_command(server.argv)}"
+        log_file.write(f"# {stamp} datagen: {note} {server.name}: {shown}\n".encode())
+        log_file.flush()
+        logger.info("%s %s: %s (log %s)", note, server.name, shown, log_path)
+        server.endpoint = None
+        server.log_file = log_file
+        server.proc = subprocess.Popen(
+            server.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=server.env,
+            start_new_session=True,  # own process group: teardown reaches SGLang's scheduler children too
+        )
+
+    def _stop_server(self, server: _Server) -> None:
+        proc, server.proc = server.proc, None
+        server.endpoint = None
+        if proc is not None:
+            stop_process_group(proc, self.stop_grace_s)
+        if server.log_file is not None:
+            server.log_file.close()
+            server.log_file = None
+
+    def _wait_all(self, servers: list[_Server], timeout_s: float) -> None:
+        abort = threading.Event()  # the first failure stops the others' waiting
+        errors: list[BaseException] = []
+
+        def wait(server: _Server) -> None:
+            try:
+                self._wait_ready(server, timeout_s, abort)
+            except BaseException as exc:
+                errors.append(exc)
+                abort.set()
+
+        with ThreadPoolExecutor(max_workers=max(1, len(servers))) as pool:
+            list(pool.map(wait, servers))
+        real = [e for e in errors if not isinstance(e, _Aborted)]
+        if real:
+            first = real[0]
+            if len(real) > 1 and isinstance(first, ServerStartError):
+                others = ", ".join(e.name for e in real[1:] if isinstance(e, ServerStartError))
+                first.args = (f"{first.args[0]}\n(also failed: {others})",)
+            raise first
+
+    def _wait_ready(self, server: _Server, timeout_s: float, abort: threading.Event) -> None:
+        parts = urlsplit(server.url)
+        host, port = parts.hostname or "127.0.0.1", parts.port or 80
+        deadline = time.monotonic() + timeout_s
+        last = "port closed"
+        with httpx.Client(base_url=server.url, timeout=httpx.Timeout(_HEALTH_TIMEOUT_S, connect=5.0)) as http:
+            while True:
+                if abort.is_set():
+                    raise _Aborted(server.name)
+                proc = server.proc
+                if proc is not None and proc.poll() is not None:
+                    raise self._failure(server, f"exited with code {proc.returncode} during startup")
+                if time.monotonic() > deadline:
+                    raise self._failure(server, f"did not become healthy within {timeout_s:.0f} s ({last})")
+                if not _port_open(host, port):
+                    time.sleep(_POLL_S)
+                    continue
+                try:
+                    status = http.get("/health").status_code
+                except httpx.HTTPError as exc:
+                    last = f"/health: {type(exc).__name__}"
+                    time.sleep(_POLL_S)
+                    continue
+                if status == 200:
+                    break
+                last = f"port open, /health answers {status}"
+                time.sleep(_POLL_S)
+            headers = {"Authorization": f"Bearer {self._api_key.get_secret_value()}"}
+            try:
+                resp = http.get("/server_info", headers=headers)
+            except httpx.HTTPError as exc:
+                raise self._failure(server, f"is healthy but /server_info failed: {exc}") from exc
+        if resp.status_code != 200:
+            hint = " (API key mismatch?)" if resp.status_code in (401, 403) else ""
+            raise self._failure(server, f"is healthy but /server_info answered {resp.status_code}{hint}")
+        info = resp.json()
+        info = info if isinstance(info, dict) else {}
+        version = info.get("version")
+        if isinstance(version, str):
+            self.engine_version = version
+        server.endpoint = ServerEndpoint(
+            name=server.name,
+            url=server.url,
+            api_key=self._api_key,
+            max_running_requests=_read_capacity(info),
+            log_path=str(server.log_path) if server.log_path else None,
+        )
+        server.ready_at = time.monotonic()
+        logger.info(
+            "server %s ready at %s (max running requests %s)",
+            server.name,
+            server.url,
+            server.endpoint.max_running_requests,
+        )
+
+    def _failure(self, server: _Server, reason: str) -> ServerStartError:
+        tail = log_tail(server.log_path) if server.log_path else []
+        return ServerStartError(server.name, reason, server.log_path, tail)
+
+
+class _Aborted(Exception):
+    """A server's wait ended because another server failed first."""

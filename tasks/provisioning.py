@@ -1,0 +1,31 @@
+"""The provisioning stage: start the generation servers (or attach to running ones) for the length of a block.
+
+    with provision(settings, spec, layout, api_key) as fleet:
+        fleet.endpoints          # list[ServerEndpoint], one per healthy server
+        fleet.restart("gpu3")    # the dispatcher's on_server_down callback
+
+Every server the pipeline started is stopped when the block ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from pydantic import SecretStr
+
+from datagen.engine.launcher import ServerFleet, ServerStartError
+from datagen.layout import RunLayout
+from datagen.runspec import RunSpec
+from datagen.settings import Settings
+
+__all__ = ["ServerFleet", "ServerStartError", "api_key_for", "provision"]
+
+
+def api_key_for(settings: Settings) -> SecretStr:
+    """The configured server API key, or a fresh random one for servers this run starts."""
+    return settings.sglang_api_key or SecretStr(secrets.token_urlsafe(24))
+
+
+def provision(settings: Settings, spec: RunSpec, layout: RunLayout, api_key: SecretStr) -> ServerFleet:
+    """A fleet to use as a context manager: servers start (or are health-checked) on entry, stop on exit."""
+    return ServerFleet(settings, spec, layout, api_key)
