@@ -19,7 +19,7 @@ def check_environment(spec: RunSpec = RunSpec(), resume: bool = False) -> list[d
     settings = Settings()
     store = ObjectStore.from_settings(settings)
     results = environment.run_checks(settings, spec, s3_check=lambda: s3_preflight(store, spec.namespace, resume))
-    rows = environment.report_rows(results)
+    rows: list[dict[str, str]] = environment.report_rows(results)
     create_table_artifact(table=rows, key="environment-report", description="Environment checks")
     get_run_logger().info("\n%s", environment.format_report(results))
     failed = [r for r in results if r.failed]

@@ -12,8 +12,10 @@ import json
 import logging
 import secrets
 import time
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+from uuid import UUID
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import (
@@ -24,14 +26,15 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 from prefect.cache_policies import NO_CACHE
-from prefect.context import TaskRunContext
+from prefect.context import FlowRunContext, TaskRunContext
 from prefect.futures import PrefectFuture, as_completed
-from prefect.task_runners import ThreadPoolTaskRunner
+from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 from pydantic import SecretStr
 
 import datagen
 from datagen.chat import ChatTokenizer
 from datagen.checks import CheckResult
+from datagen.dataset_card import Lineage, write_dataset_card
 from datagen.engine.dispatcher import Dispatcher
 from datagen.layout import RunLayout
 from datagen.runspec import RunSpec
@@ -89,26 +92,25 @@ def _generate_shard(
     return generation.generate_shard(shard_id, layout, dispatcher, chat, spec)
 
 
-check_environment_task = task(_check_environment, name="check environment", cache_policy=NO_CACHE)
-plan_task = task(planning.plan_shards, name="plan shards", cache_policy=NO_CACHE)
+check_environment_task = task(name="check environment", cache_policy=NO_CACHE)(_check_environment)
+plan_task = task(name="plan shards", cache_policy=NO_CACHE)(planning.plan_shards)
 generate_shard_task = task(
-    _generate_shard,
     name="generate",
     task_run_name="generate shard-{shard_id:05d}",
     cache_key_fn=_generation_cache_key,
     persist_result=True,
     retries=2,
     retry_delay_seconds=[10, 60],
-)
-validate_task = task(validation.validate_shards, name="validate", cache_policy=NO_CACHE)
-gate_task = task(validation.check_quality_gate, name="quality gate", cache_policy=NO_CACHE)
-tokenize_task = task(tokenization.tokenize_accepted, name="tokenize", cache_policy=NO_CACHE)
-publish_task = task(publishing.publish, name="publish", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)
+)(_generate_shard)
+validate_task = task(name="validate", cache_policy=NO_CACHE)(validation.validate_shards)
+gate_task = task(name="quality gate", cache_policy=NO_CACHE)(validation.check_quality_gate)
+tokenize_task = task(name="tokenize", cache_policy=NO_CACHE)(tokenization.tokenize_accepted)
+publish_task = task(name="publish", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)(publishing.publish)
 
 
 @flow(
     name="expand-dataset",
-    task_runner=ThreadPoolTaskRunner(max_workers=SHARDS_IN_FLIGHT),
+    task_runner=cast("TaskRunner[PrefectFuture[Any]]", ThreadPoolTaskRunner(max_workers=SHARDS_IN_FLIGHT)),
     log_prints=True,
 )
 def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str, Any]:  # noqa: B008
@@ -120,15 +122,22 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
     store = ObjectStore.from_settings(settings)
     started = time.monotonic()
 
-    check_environment_task(settings, spec, store)
+    env_results = check_environment_task(settings, spec, store)
+    gpu_description = "; ".join(r.detail for r in env_results if r.name.startswith("gpu.") and r.status == "pass")
+    ctx = FlowRunContext.get()
+    run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else None
     chat = ChatTokenizer.from_model_dir(spec.model_path)
     plan = plan_task(spec, layout)
-    logger.info("planned %d prompts in %d shards (%d load rejects)", plan.n_prompts, len(plan.shard_ids), plan.n_load_rejects)
+    logger.info(
+        "planned %d prompts in %d shards (%d load rejects)", plan.n_prompts, len(plan.shard_ids), plan.n_load_rejects
+    )
 
     api_key = settings.sglang_api_key or SecretStr(secrets.token_urlsafe(24))
     shard_results: list[generation.ShardResult] = []
     with provisioning.provision(settings, spec, layout, api_key) as fleet:
-        progress_id = create_progress_artifact(progress=0.0, key="generation-progress", description="shards done (%)")
+        progress_id = cast(
+            UUID, create_progress_artifact(progress=0.0, key="generation-progress", description="shards done (%)")
+        )
         with Dispatcher(fleet.endpoints, on_server_down=fleet.restart) as dispatcher:
             futures: list[PrefectFuture[generation.ShardResult]] = [
                 generate_shard_task.with_options(result_storage=layout.root / "task-results").submit(
@@ -139,7 +148,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
             for future in as_completed(futures):
                 shard_results.append(future.result())
                 update_progress_artifact(artifact_id=progress_id, progress=100.0 * len(shard_results) / len(futures))
-                logger.info("%s", dispatcher.stats().summary_line())
+                logger.info("%s", dispatcher.stats().line())
         server_version = fleet.engine_version
 
     shard_results.sort(key=lambda r: r.shard_id)
@@ -157,12 +166,37 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
     if not gate.passed:
         raise validation.QualityGateError(gate.text)
 
+    reject_paths = [
+        layout.load_rejects,
+        *(Path(r.rejects_path) for r in shard_results),
+        *(Path(p) for p in summary.reject_paths),
+    ]
     tokenized = tokenize_task(
-        summary.accepted_paths,
+        [Path(p) for p in summary.accepted_paths],
         layout.staging_dir,
         chat,
         spec.sampling.enable_thinking,
-        extra_reject_paths=[layout.load_rejects, *(Path(r.rejects_path) for r in shard_results), *summary.reject_paths],
+        extra_reject_paths=reject_paths,
+    )
+    # Rows can still fail the token round-trip check: the gate sees the final counts before anything ships.
+    final_gate = gate_task(summary, spec.quality_gate, upstream_rejects, tokenized.tokenize_rejected)
+    if not final_gate.passed:
+        raise validation.QualityGateError(final_gate.text)
+    write_dataset_card(
+        layout.staging_dir,
+        namespace=spec.namespace,
+        model=spec.served_model_name,
+        sampling=spec.sampling,
+        lineage=Lineage(
+            model_fingerprint=chat.fingerprint,
+            template_hash=chat.template_hash,
+            source_mix=tokenized.rows_by_source,
+            category_mix=tokenized.rows_by_category,
+            server_args=spec.server_args,
+            run_id=run_id,
+            created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        ),
+        sizes=tokenized.sizes(),
     )
     lineage = {
         "run_spec": spec.model_dump(mode="json"),
@@ -171,10 +205,12 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         "chat_template_hash": chat.template_hash,
         "engine": settings.engine,
         "engine_version": server_version,
+        "gpu": gpu_description,
         "pipeline_version": datagen.__version__,
         "plan_sha256": plan.plan_sha256,
         "rows": tokenized.n_rows,
         "rejects": tokenized.n_rejects,
+        "rejects_by_reason": tokenized.rejects_by_reason,
     }
     published = publish_task(layout.staging_dir, spec.namespace, store, lineage, dry_run=dry_run)
     create_link_artifact(link=published.uri, link_text=f"dataset {spec.namespace}", key="published-dataset")

@@ -21,6 +21,7 @@ import atexit
 import contextlib
 import logging
 import os
+import random
 import shlex
 import signal
 import socket
@@ -246,6 +247,25 @@ def _free_ports(n: int, exclude: Iterable[int]) -> list[int]:
     return ports
 
 
+def _free_base_port(n: int, attempts: int = 200) -> int:
+    """A port P with P..P+n-1 all free now (Settings.base_port 0: tests and the demo share one machine)."""
+    rng = random.Random()
+    for _ in range(attempts):
+        base = rng.randrange(20000, 60000 - n)
+        if all(_port_is_free(base + i) for i in range(n)):
+            return base
+    raise PortInUseError("fleet", f"found no {n} consecutive free ports between 20000 and 60000", None, ())
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def _connect_host(host: str) -> str:
     # A server bound to all interfaces is reached through loopback.
     return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
@@ -353,6 +373,8 @@ class ServerFleet(Sequence[ServerEndpoint]):
         stop_grace_s: float = STOP_GRACE_S,
         attach_timeout_s: float = ATTACH_HEALTH_TIMEOUT_S,
     ) -> None:
+        if settings.base_port == 0 and not settings.server_urls:
+            settings = settings.model_copy(update={"base_port": _free_base_port(settings.num_servers)})
         self.settings = settings
         self.spec = spec
         self.layout = layout
