@@ -1,0 +1,679 @@
+"""One continuous dispatcher per box: keeps every server full, retries what is worth retrying.
+
+All shard workers submit into one shared queue, so the servers never drain at a shard boundary. The
+dispatcher runs its own asyncio loop in a background thread; `submit` is thread-safe and returns a
+`concurrent.futures.Future` that ends with a `GenerateResult` or one of these errors:
+
+- `RequestRejected`: the server refused this prompt (reject row, never retried);
+- `ProtocolError`: the server's answers for this request were garbage `max_protocol_errors` times;
+- `RetriesExhausted`: transient failures (5xx, timeouts) `max_attempts` times on servers that stayed up;
+- `AuthError`: every server refused the API key;
+- `EngineStalled`: no server finished anything for `stall_timeout_s` (message names servers and log tails);
+- `DispatcherClosed`: the dispatcher was closed first.
+
+A server whose connection is refused or dropped, or that times out repeatedly and then fails its health
+probe, is marked down; its in-flight requests go back to the front of the queue (without using up their
+attempts) and it is probed until healthy again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from datagen.endpoints import ServerEndpoint
+from datagen.engine.client import (
+    AuthError,
+    EngineError,
+    GenerateResult,
+    LoadInfo,
+    ProtocolError,
+    RequestRejected,
+    ServerUnreachable,
+    SGLangClient,
+    TransientError,
+)
+
+__all__ = [
+    "Dispatcher",
+    "DispatcherClosed",
+    "DispatcherStats",
+    "EngineStalled",
+    "GenerateJob",
+    "RetriesExhausted",
+    "ServerStats",
+    "backoff_delay",
+]
+
+logger = logging.getLogger("datagen.engine")
+
+ClientFactory = Callable[[ServerEndpoint], SGLangClient]
+
+
+class EngineStalled(EngineError):
+    """No server finished a request for too long."""
+
+
+class RetriesExhausted(EngineError):
+    """A request failed transiently on every attempt."""
+
+
+class DispatcherClosed(EngineError):
+    """The dispatcher was closed before the request finished."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateJob:
+    """One request to run: prompt token ids and `sampling_params` (see `sampling_params_for`)."""
+
+    input_ids: list[int]
+    sampling: dict[str, Any]
+    label: str = ""  # e.g. the prompt id; only for log lines
+
+
+@dataclass(frozen=True, slots=True)
+class ServerStats:
+    """One server's state and progress."""
+
+    name: str
+    state: str  # "starting" | "up" | "down" | "fatal"
+    capacity: int
+    target: int
+    in_flight: int
+    waiting: int | None
+    completed: int
+    output_tokens: int
+    tokens_per_s: float
+    last_error: str
+
+
+@dataclass(frozen=True, slots=True)
+class DispatcherStats:
+    """A snapshot of the dispatcher's counters (thread-safe copy)."""
+
+    elapsed_s: float
+    submitted: int
+    completed: int
+    rejected: int
+    failed: int
+    retries: int
+    requeued: int
+    output_tokens: int
+    queued: int
+    in_flight: int
+    completions_per_s: float
+    output_tokens_per_s: float
+    eta_s: float | None
+    servers: list[ServerStats]
+
+    def line(self) -> str:
+        """One log line."""
+        eta = f"{self.eta_s / 60:.1f} min" if self.eta_s is not None else "?"
+        per_server = " ".join(
+            f"{s.name}={s.state}:{s.in_flight}/{s.target}:{s.tokens_per_s:.0f}t/s" for s in self.servers
+        )
+        return (
+            f"generation: {self.completed} done, {self.rejected} rejected, {self.failed} failed, "
+            f"{self.queued} queued, {self.in_flight} in flight, {self.output_tokens_per_s:.0f} tok/s, "
+            f"{self.completions_per_s:.2f} req/s, {self.retries} retries, ETA {eta} | {per_server}"
+        )
+
+
+@dataclass(eq=False, slots=True)
+class _Work:
+    job: GenerateJob
+    future: concurrent.futures.Future[GenerateResult]
+    attempts: int = 0  # transient failures charged to this request
+    protocol_errors: int = 0
+    started: bool = False
+    last_server: str = ""
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass(eq=False, slots=True)
+class _Server:
+    endpoint: ServerEndpoint
+    client: SGLangClient
+    state: str = "starting"
+    capacity: int = 0
+    target: int = 0
+    inflight: dict[asyncio.Task[None], _Work] = field(default_factory=dict)
+    load: LoadInfo | None = None
+    consecutive_failures: int = 0
+    checking: bool = False
+    probing: bool = False
+    completed: int = 0
+    output_tokens: int = 0
+    speed: float | None = None  # per-request decode tok/s (EMA of completion_tokens / e2e_latency)
+    recent: collections.deque[tuple[float, int]] = field(default_factory=collections.deque)
+    last_error: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.endpoint.name
+
+    @property
+    def free(self) -> int:
+        return self.target - len(self.inflight) if self.state == "up" else 0
+
+
+_RATE_WINDOW_S = 60.0
+
+
+def backoff_delay(attempt: int, base_s: float, cap_s: float, rng: random.Random) -> float:
+    """Capped exponential backoff with jitter: uniform in [0.5, 1] x min(cap, base * 2^(attempt-1))."""
+    # Jitter spreads the retries of requests that failed together (a server restart) over time.
+    ceiling: float = min(cap_s, base_s * 2.0 ** max(attempt - 1, 0))
+    return ceiling * rng.uniform(0.5, 1.0)
+
+
+def _tail(path: str | None, lines: int = 10) -> str:
+    """The last lines of a server log, for failure messages."""
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - 8192))
+            text = f.read().decode("utf-8", "replace")
+    except OSError as exc:
+        return f"(log {path} unreadable: {exc})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class Dispatcher:
+    """Keeps each server at its running capacity plus a small queue, fed from one shared queue."""
+
+    def __init__(
+        self,
+        endpoints: list[ServerEndpoint],
+        *,
+        queue_depth: int = 4,
+        max_attempts: int = 8,
+        max_protocol_errors: int = 3,
+        backoff_base_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+        stall_timeout_s: float = 900.0,
+        timeout_floor_s: float = 600.0,
+        timeout_factor: float = 4.0,
+        assumed_tokens_per_s: float = 5.0,
+        failures_before_probe: int = 3,
+        probe_interval_s: float = 5.0,
+        load_poll_interval_s: float = 2.0,
+        log_interval_s: float = 30.0,
+        default_capacity: int = 32,
+        max_connections_per_server: int = 1024,
+        on_server_down: Callable[[ServerEndpoint], None] | None = None,
+        client_factory: ClientFactory | None = None,
+        seed: int | None = None,
+    ) -> None:
+        if not endpoints:
+            raise ValueError("Dispatcher needs at least one endpoint")
+        if len({e.name for e in endpoints}) != len(endpoints):
+            raise ValueError("endpoint names must be unique")
+        self.queue_depth = queue_depth
+        self.max_attempts = max_attempts
+        self.max_protocol_errors = max_protocol_errors
+        self.backoff_base_s = backoff_base_s
+        self.backoff_max_s = backoff_max_s
+        self.stall_timeout_s = stall_timeout_s
+        self.timeout_floor_s = timeout_floor_s
+        self.timeout_factor = timeout_factor
+        self.assumed_tokens_per_s = assumed_tokens_per_s
+        self.failures_before_probe = failures_before_probe
+        self.probe_interval_s = probe_interval_s
+        self.load_poll_interval_s = load_poll_interval_s
+        self.log_interval_s = log_interval_s
+        self.default_capacity = default_capacity
+        self.max_connections_per_server = max_connections_per_server
+        self.on_server_down = on_server_down
+        self._rng = random.Random(seed)
+        factory = client_factory or (lambda e: SGLangClient(e, max_connections=max_connections_per_server))
+
+        self._servers = [_Server(endpoint=e, client=factory(e)) for e in endpoints]
+        self._pending: collections.deque[_Work] = collections.deque()
+        self._delayed: dict[_Work, asyncio.TimerHandle] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._closed = False
+        self._ready = threading.Event()
+        self._started = time.monotonic()
+        self._last_progress = time.monotonic()
+        self._done_times: collections.deque[tuple[float, int]] = collections.deque()
+        self._c = collections.Counter[str]()
+        self._fatal: EngineError | None = None  # the error that took the last server out for good
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="datagen-dispatcher", daemon=True)
+        self._thread.start()
+
+    # --- public, thread-safe ---------------------------------------------------------------------
+
+    def submit(self, job: GenerateJob) -> concurrent.futures.Future[GenerateResult]:
+        """Queue one request; callable from any thread."""
+        if self._closed:
+            raise DispatcherClosed("dispatcher is closed")
+        fut: concurrent.futures.Future[GenerateResult] = concurrent.futures.Future()
+        self._loop.call_soon_threadsafe(self._enqueue, _Work(job=job, future=fut))
+        return fut
+
+    def add_expected(self, n: int) -> None:
+        """Announce `n` more requests to come (for the ETA only)."""
+        self._loop.call_soon_threadsafe(self._c.update, {"expected": n})
+
+    def wait_ready(self, timeout_s: float = 60.0) -> bool:
+        """Block until every server was contacted once; True when at least one is up."""
+        self._ready.wait(timeout_s)
+        return any(s.state == "up" for s in self._servers)
+
+    @property
+    def total_target(self) -> int:
+        """Requests the dispatcher keeps in flight when every server is up (a good submission window)."""
+        return sum(max(s.target, s.capacity + self.queue_depth) for s in self._servers if s.state != "fatal")
+
+    def stats(self) -> DispatcherStats:
+        """A consistent snapshot of the counters."""
+        return asyncio.run_coroutine_threadsafe(self._snapshot(), self._loop).result(timeout=30)
+
+    def close(self) -> None:
+        """Fail whatever is still pending, close connections and stop the loop thread."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=30)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+
+    def __enter__(self) -> Dispatcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- loop side ---------------------------------------------------------------------------------
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._spawn(self._startup())
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.close()
+
+    def _spawn(self, coro: Any) -> None:
+        # Keep a reference: the loop holds tasks only weakly.
+        task = self._loop.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _startup(self) -> None:
+        await asyncio.gather(*(self._discover(s) for s in self._servers))
+        self._ready.set()
+        for s in self._servers:
+            if s.state == "down":
+                self._start_probe(s)
+        self._spawn(self._watchdog())
+        self._spawn(self._poll_loads())
+        self._spawn(self._log_progress())
+        self._pump()
+
+    async def _discover(self, server: _Server) -> bool:
+        """Health + capacity; on success the server is up."""
+        try:
+            if not await server.client.health():
+                raise EngineError("/health did not answer 200", server=server.name)
+            capacity = await server.client.effective_max_running()
+        except AuthError as exc:
+            server.state, server.last_error = "fatal", str(exc)
+            self._fatal = exc
+            logger.error("%s", exc)
+            return False
+        except EngineError as exc:
+            server.state, server.last_error = "down", str(exc)
+            logger.warning("server %s not available: %s", server.name, exc)
+            return False
+        server.capacity = capacity
+        server.target = min(capacity + self.queue_depth, self.max_connections_per_server - 4)
+        server.state, server.consecutive_failures = "up", 0
+        logger.info("server %s up: %d running slots, keeping %d in flight", server.name, capacity, server.target)
+        return True
+
+    def _enqueue(self, work: _Work) -> None:
+        if self._closed:
+            work.future.set_exception(DispatcherClosed("dispatcher is closed"))
+            return
+        self._c["submitted"] += 1
+        if self._fatal is not None and all(s.state == "fatal" for s in self._servers):
+            self._c["failed"] += 1
+            work.future.set_exception(self._fatal)
+            return
+        if not self._busy():
+            self._last_progress = time.monotonic()
+        self._pending.append(work)
+        self._pump()
+
+    def _busy(self) -> bool:
+        return bool(self._pending or self._delayed or any(s.inflight for s in self._servers))
+
+    def _pick(self, avoid: str) -> _Server | None:
+        """The up server with the most free room relative to its target; faster servers first on ties."""
+        candidates = [s for s in self._servers if s.free > 0]
+        if not candidates:
+            return None
+        candidates.sort(key=lambda s: (s.free / max(s.target, 1), s.load.gen_throughput if s.load else 0.0))
+        best = candidates[-1]
+        if best.name == avoid and len(candidates) > 1:
+            return candidates[-2]
+        return best
+
+    def _pump(self) -> None:
+        """Start queued requests while any server has room."""
+        while self._pending and not self._closed:
+            work = self._pending[0]
+            server = self._pick(work.last_server)
+            if server is None:
+                return
+            self._pending.popleft()
+            if work.future.done():
+                continue
+            if not work.started:
+                if not work.future.set_running_or_notify_cancel():
+                    continue  # cancelled by the submitter while queued
+                work.started = True
+            task = self._loop.create_task(self._attempt(server, work))
+            server.inflight[task] = work
+
+    def _request_timeout(self, server: _Server, job: GenerateJob) -> float:
+        """Generous deadline from max_new_tokens and the slowest observed per-request decode speed."""
+        speeds = [s.speed for s in self._servers if s.speed]
+        speed = server.speed or (min(speeds) if speeds else self.assumed_tokens_per_s)
+        max_new = int(job.sampling.get("max_new_tokens") or 0)
+        return max(self.timeout_floor_s, self.timeout_factor * max_new / max(speed, 1e-3))
+
+    async def _attempt(self, server: _Server, work: _Work) -> None:
+        task = asyncio.current_task()
+        work.last_server = server.name
+        rid = uuid.uuid4().hex  # fresh per attempt: a reused in-flight rid is a 400
+        try:
+            result = await server.client.generate(
+                work.job.input_ids, work.job.sampling, rid=rid, timeout_s=self._request_timeout(server, work.job)
+            )
+        except asyncio.CancelledError:
+            raise  # server marked down or shutdown: whoever cancelled us requeued or failed the work
+        except Exception as exc:
+            server.inflight.pop(task, None)  # type: ignore[arg-type]
+            self._failed_attempt(server, work, exc)
+        else:
+            server.inflight.pop(task, None)  # type: ignore[arg-type]
+            self._succeeded(server, result)
+            self._finish(work, result)
+        self._pump()
+
+    def _failed_attempt(self, server: _Server, work: _Work, exc: Exception) -> None:
+        """Route one failed attempt by error class: reject, retry here or elsewhere, or give up."""
+        if isinstance(exc, RequestRejected):
+            self._progress()
+            self._c["rejected"] += 1
+            server.consecutive_failures = 0
+            self._finish(work, exc)
+        elif isinstance(exc, AuthError):
+            server.state, server.last_error = "fatal", str(exc)
+            logger.error("%s", exc)
+            self._requeue_front(server)
+            self._requeue_now(work)
+            if all(s.state == "fatal" for s in self._servers):
+                self._fatal = exc
+                self._fail_all(exc)
+        elif isinstance(exc, ServerUnreachable):
+            # Not the request's fault: requeue without charging an attempt.
+            server.last_error = str(exc)
+            self._c["requeued"] += 1
+            self._requeue_now(work)
+            self._mark_down(server, str(exc))
+        elif isinstance(exc, TransientError | ProtocolError):
+            self._charge(server, work, exc)
+        else:  # a bug, not a server fault: surface it on the future
+            logger.error("unexpected error in request %s: %r", work.job.label, exc)
+            self._c["failed"] += 1
+            self._finish(work, exc)
+
+    def _charge(self, server: _Server, work: _Work, exc: TransientError | ProtocolError) -> None:
+        """Count a failure against the request and the server; retry with backoff or give up."""
+        server.last_error = str(exc)
+        server.consecutive_failures += 1
+        work.errors.append(str(exc))
+        if server.consecutive_failures >= self.failures_before_probe and not server.checking:
+            self._spawn(self._check_health(server))
+        if isinstance(exc, ProtocolError):
+            work.protocol_errors += 1
+            used, budget = work.protocol_errors, self.max_protocol_errors
+        else:
+            work.attempts += 1
+            used, budget = work.attempts, self.max_attempts
+        if used >= budget:
+            self._c["failed"] += 1
+            if isinstance(exc, ProtocolError):
+                self._finish(work, exc)
+            else:
+                detail = "; ".join(work.errors[-3:])
+                self._finish(work, RetriesExhausted(f"gave up after {used} attempts: {detail}", server=server.name))
+            return
+        self._c["retries"] += 1
+        delay = backoff_delay(used, self.backoff_base_s, self.backoff_max_s, self._rng)
+        logger.debug("retrying %s in %.1f s after %s", work.job.label, delay, exc)
+        self._delayed[work] = self._loop.call_later(delay, self._retry_due, work)
+
+    def _retry_due(self, work: _Work) -> None:
+        self._delayed.pop(work, None)
+        self._requeue_now(work)
+
+    def _requeue_now(self, work: _Work) -> None:
+        if not work.future.done():
+            self._pending.appendleft(work)
+
+    def _requeue_front(self, server: _Server) -> None:
+        """Cancel a server's in-flight requests and put them back at the front of the queue."""
+        for task, work in list(server.inflight.items()):
+            task.cancel()
+            self._c["requeued"] += 1
+            self._requeue_now(work)
+        server.inflight.clear()
+
+    def _succeeded(self, server: _Server, result: GenerateResult) -> None:
+        now = time.monotonic()
+        self._progress()
+        server.consecutive_failures = 0
+        server.completed += 1
+        server.output_tokens += result.completion_tokens
+        server.recent.append((now, result.completion_tokens))
+        self._done_times.append((now, result.completion_tokens))
+        self._c["completed"] += 1
+        self._c["output_tokens"] += result.completion_tokens
+        if result.e2e_latency > 0 and result.completion_tokens > 0:
+            speed = result.completion_tokens / result.e2e_latency
+            server.speed = speed if server.speed is None else 0.9 * server.speed + 0.1 * speed
+
+    def _progress(self) -> None:
+        self._last_progress = time.monotonic()
+
+    def _finish(self, work: _Work, outcome: GenerateResult | BaseException) -> None:
+        self._delayed.pop(work, None)
+        if work.future.done():
+            return
+        if isinstance(outcome, BaseException):
+            work.future.set_exception(outcome)
+        else:
+            work.future.set_result(outcome)
+
+    def _mark_down(self, server: _Server, reason: str) -> None:
+        if server.state != "up":
+            return
+        server.state = "down"
+        n = len(server.inflight)
+        self._requeue_front(server)
+        logger.warning("server %s marked down (%s); %d in-flight requests requeued", server.name, reason, n)
+        if self.on_server_down is not None:
+            callback, endpoint = self.on_server_down, server.endpoint
+            self._spawn(self._call_down_hook(callback, endpoint))
+        self._start_probe(server)
+
+    async def _call_down_hook(self, callback: Callable[[ServerEndpoint], None], endpoint: ServerEndpoint) -> None:
+        try:
+            await asyncio.to_thread(callback, endpoint)
+        except Exception:
+            logger.exception("on_server_down(%s) failed", endpoint.name)
+
+    def _start_probe(self, server: _Server) -> None:
+        if not server.probing:
+            server.probing = True
+            self._spawn(self._probe(server))
+
+    async def _probe(self, server: _Server) -> None:
+        """Poll a down server until it is healthy, then put it back to work."""
+        try:
+            while not self._closed and server.state == "down":
+                await asyncio.sleep(self.probe_interval_s)
+                if await self._discover(server):
+                    logger.info("server %s is back", server.name)
+                    self._pump()
+        finally:
+            server.probing = False
+
+    async def _check_health(self, server: _Server) -> None:
+        """After repeated failures: a server that also fails its health probe is marked down."""
+        server.checking = True
+        try:
+            if server.state == "up" and not await server.client.health():
+                self._mark_down(server, f"{server.consecutive_failures} failures in a row, then /health failed")
+            else:
+                server.consecutive_failures = 0
+        finally:
+            server.checking = False
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for work, handle in list(self._delayed.items()):
+            handle.cancel()
+            self._finish(work, exc)
+        self._delayed.clear()
+        while self._pending:
+            self._finish(self._pending.popleft(), exc)
+        for s in self._servers:
+            for task, work in list(s.inflight.items()):
+                task.cancel()
+                self._finish(work, exc)
+            s.inflight.clear()
+
+    async def _watchdog(self) -> None:
+        """Fail everything when no server has finished anything for stall_timeout_s."""
+        while not self._closed:
+            await asyncio.sleep(min(1.0, self.stall_timeout_s / 4))
+            if not self._busy():
+                self._last_progress = time.monotonic()
+                continue
+            idle = time.monotonic() - self._last_progress
+            if idle < self.stall_timeout_s:
+                continue
+            parts = []
+            for s in self._servers:
+                part = f"{s.name} ({s.endpoint.url}, {s.state}, {len(s.inflight)} in flight"
+                part += f", last error: {s.last_error})" if s.last_error else ")"
+                tail = _tail(s.endpoint.log_path)
+                if tail:
+                    part += f"\n  last log lines of {Path(s.endpoint.log_path or '').name}:\n    "
+                    part += tail.replace("\n", "\n    ")
+                parts.append(part)
+            message = f"no request finished on any server for {idle:.0f} s; servers:\n" + "\n".join(parts)
+            logger.error("%s", message)
+            self._c["failed"] += sum(len(s.inflight) for s in self._servers) + len(self._pending) + len(self._delayed)
+            self._fail_all(EngineStalled(message))
+            self._last_progress = time.monotonic()
+
+    async def _poll_loads(self) -> None:
+        """Follow each server's queue: a server with waiting requests gets fewer new ones."""
+        while not self._closed:
+            await asyncio.sleep(self.load_poll_interval_s)
+            up = [s for s in self._servers if s.state == "up"]
+            results = await asyncio.gather(*(s.client.loads() for s in up), return_exceptions=True)
+            for s, load in zip(up, results, strict=True):
+                if isinstance(load, LoadInfo):
+                    s.load = load
+                    full = min(s.capacity + self.queue_depth, self.max_connections_per_server - 4)
+                    # Waiting requests beyond our own small queue mean the server runs fewer than it reported
+                    # (memory pressure, other clients): back off by the excess, never below half capacity.
+                    excess = max(0, load.num_waiting_reqs - self.queue_depth)
+                    s.target = max(max(1, s.capacity // 2), full - excess)
+                elif isinstance(load, BaseException):
+                    logger.debug("load poll of %s failed: %s", s.name, load)
+            self._pump()
+
+    async def _log_progress(self) -> None:
+        last = -1
+        while not self._closed:
+            await asyncio.sleep(self.log_interval_s)
+            done = self._c["completed"] + self._c["rejected"] + self._c["failed"]
+            if done != last or self._busy():
+                logger.info("%s", (await self._snapshot()).line())
+                last = done
+
+    async def _snapshot(self) -> DispatcherStats:
+        now = time.monotonic()
+        elapsed = now - self._started
+        window = min(_RATE_WINDOW_S, max(elapsed, 1e-6))
+        while self._done_times and self._done_times[0][0] < now - _RATE_WINDOW_S:
+            self._done_times.popleft()
+        servers = []
+        for s in self._servers:
+            while s.recent and s.recent[0][0] < now - _RATE_WINDOW_S:
+                s.recent.popleft()
+            servers.append(
+                ServerStats(
+                    name=s.name,
+                    state=s.state,
+                    capacity=s.capacity,
+                    target=s.target,
+                    in_flight=len(s.inflight),
+                    waiting=s.load.num_waiting_reqs if s.load else None,
+                    completed=s.completed,
+                    output_tokens=s.output_tokens,
+                    tokens_per_s=sum(t for _, t in s.recent) / window,
+                    last_error=s.last_error,
+                )
+            )
+        rate = len(self._done_times) / window
+        finished = self._c["completed"] + self._c["rejected"] + self._c["failed"]
+        remaining = max(self._c["expected"] - finished, 0) if self._c["expected"] else self._c["submitted"] - finished
+        return DispatcherStats(
+            elapsed_s=elapsed,
+            submitted=self._c["submitted"],
+            completed=self._c["completed"],
+            rejected=self._c["rejected"],
+            failed=self._c["failed"],
+            retries=self._c["retries"],
+            requeued=self._c["requeued"],
+            output_tokens=self._c["output_tokens"],
+            queued=len(self._pending) + len(self._delayed),
+            in_flight=sum(len(s.inflight) for s in self._servers),
+            completions_per_s=rate,
+            output_tokens_per_s=sum(t for _, t in self._done_times) / window,
+            eta_s=remaining / rate if rate > 0 else None,
+            servers=servers,
+        )
+
+    async def _shutdown(self) -> None:
+        self._fail_all(DispatcherClosed("dispatcher closed"))
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        await asyncio.gather(*(s.client.aclose() for s in self._servers), return_exceptions=True)

@@ -1,0 +1,349 @@
+"""Generation stage for one shard: prompts in, completions and reject rows appended to a checkpoint.
+
+The shard's two checkpoint files (`RunLayout.shard_completions` / `shard_rejects`, JSON lines of `Completion`
+and `Reject`) are an exactly-once ledger keyed by `request_key`: a rerun reads them, skips every request
+already settled and sends only the rest. Results are appended as they arrive and fsync'd at least every
+`flush_interval_s`, so a crash loses at most the requests in flight. The stage returns a small
+`ShardResult` (paths, counts, checksum), never the data.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from datagen.chat import ChatTokenizer, TemplateError
+from datagen.engine.client import GenerateResult, ProtocolError, RequestRejected, sampling_params_for
+from datagen.engine.dispatcher import Dispatcher, GenerateJob
+from datagen.layout import RunLayout
+from datagen.records import Completion, Prompt, Reject
+from datagen.runspec import RunSpec, SamplingSpec
+
+__all__ = ["CheckpointError", "GenerationIncomplete", "ShardResult", "generate_shard", "request_key"]
+
+logger = logging.getLogger("datagen.generation")
+
+
+class CheckpointError(RuntimeError):
+    """A shard's checkpoint does not belong to this shard, spec or model, or is corrupt."""
+
+
+class GenerationIncomplete(RuntimeError):
+    """Some requests of the shard ended without a result (servers down, stalled, retries exhausted).
+
+    Everything else was written, so a retry of the shard sends only the missing requests.
+    """
+
+
+class ShardResult(BaseModel):
+    """What the generation stage hands on: references and counts, never records."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    shard_id: int
+    completions_path: str
+    rejects_path: str
+    n_prompts: int = Field(description="Distinct requests in the shard.")
+    n_completed: int
+    n_rejected: int
+    n_sent: int = Field(description="Requests sent by this call (0 when the checkpoint already settled all).")
+    output_tokens: int
+    completions_sha256: str
+
+
+def request_key(prompt_id: str, sampling: SamplingSpec, model_fingerprint: str, template_hash: str) -> str:
+    """Content key of one request: sha256 over prompt id, sampling, model fingerprint and chat template."""
+    payload = {
+        "prompt_id": prompt_id,
+        "sampling": sampling.model_dump(mode="json"),
+        "model": model_fingerprint,
+        "template": template_hash,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def _read_jsonl(path: Path, *, repair: bool) -> Iterator[dict[str, Any]]:
+    """Rows of a JSON-lines file; a torn last line (crash mid-write) is cut off when `repair`."""
+    if not path.exists():
+        return
+    good_end = 0
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    # split() leaves b"" after a final newline; anything else last is a line without its newline.
+    for i, raw in enumerate(lines):
+        last = i == len(lines) - 1
+        if last and raw == b"":
+            break
+        try:
+            row = json.loads(raw)
+            if not isinstance(row, dict):
+                raise ValueError("not an object")
+        except ValueError as exc:
+            if last and repair:
+                logger.warning("%s: dropping a torn last line (%d bytes) left by a crash", path, len(raw))
+                with open(path, "r+b") as f:
+                    f.truncate(good_end)
+                    os.fsync(f.fileno())
+                return
+            raise CheckpointError(f"{path}: line {i + 1} is not a JSON object: {exc}") from exc
+        if last:
+            # A complete record without its newline: finish the line so appends start clean.
+            if repair:
+                with open(path, "ab") as f:
+                    f.write(b"\n")
+            yield row
+            return
+        good_end += len(raw) + 1
+        yield row
+
+
+def _ledger(path: Path, what: str) -> set[str]:
+    """Request keys settled in one checkpoint file."""
+    keys: set[str] = set()
+    for row in _read_jsonl(path, repair=True):
+        key = row.get("request_key")
+        if not isinstance(key, str):
+            raise CheckpointError(f"{path}: a {what} row has no request_key")
+        if key in keys:
+            raise CheckpointError(f"{path}: request {key[:12]}… appears twice")
+        keys.add(key)
+    return keys
+
+
+def _read_prompts(path: Path) -> Iterator[Prompt]:
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: shard prompts file missing")
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield Prompt.from_json(line)
+                except (ValueError, TypeError) as exc:
+                    raise CheckpointError(f"{path}: line {n} is not a Prompt: {exc}") from exc
+
+
+class _Appender:
+    """Appends JSON lines; flushes and fsyncs when asked and at least every `interval_s`."""
+
+    def __init__(self, path: Path, interval_s: float) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        self._interval_s = interval_s
+        self._last = time.monotonic()
+        self._dirty = False
+
+    def write(self, line: str) -> None:
+        self._f.write(line + "\n")
+        self._dirty = True
+
+    def sync_if_due(self) -> None:
+        if self._dirty and time.monotonic() - self._last >= self._interval_s:
+            self.sync()
+
+    def sync(self) -> None:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._dirty = False
+        self._last = time.monotonic()
+
+    def close(self) -> None:
+        self.sync()
+        self._f.close()
+
+
+def _reject(prompt: Prompt, key: str, reason: str, detail: str) -> Reject:
+    return Reject(
+        stage="generate",
+        reason=reason,
+        detail=detail,
+        source=prompt.source,
+        row=prompt.row,
+        prompt_id=prompt.prompt_id,
+        request_key=key,
+    )
+
+
+def _completion(prompt: Prompt, key: str, sent_tokens: int, result: GenerateResult) -> Completion:
+    meta: dict[str, Any] = {"rid": result.rid, "finish": result.finish_detail, "e2e_latency": result.e2e_latency}
+    if result.prompt_tokens != sent_tokens:
+        meta["server_prompt_tokens"] = result.prompt_tokens
+    return Completion(
+        prompt_id=prompt.prompt_id,
+        source=prompt.source,
+        row=prompt.row,
+        messages=prompt.messages,
+        request_key=key,
+        prompt_tokens=sent_tokens,
+        output_ids=result.output_ids,
+        text=result.text,
+        finish_reason=result.finish_reason,
+        completion_tokens=result.completion_tokens,
+        server=result.server,
+        latency_s=round(result.latency_s, 3),
+        category=prompt.category,
+        meta=meta,
+    )
+
+
+def _summarize(path: Path) -> tuple[int, int, str]:
+    """Rows, output tokens and sha256 of a completions file."""
+    digest = hashlib.sha256()
+    rows = tokens = 0
+    if path.exists():
+        with open(path, "rb") as f:
+            for line in f:
+                digest.update(line)
+                if line.strip():
+                    rows += 1
+                    tokens += int(json.loads(line)["completion_tokens"])
+    return rows, tokens, digest.hexdigest()
+
+
+def _count_rows(path: Path) -> int:
+    if not path.exists():
+        return 0
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def generate_shard(
+    shard_id: int,
+    layout: RunLayout,
+    dispatcher: Dispatcher,
+    chat: ChatTokenizer,
+    spec: RunSpec,
+    flush_interval_s: float = 2.0,
+) -> ShardResult:
+    """Generate every request of one shard not yet in its checkpoint; return counts and the checksum."""
+    prompts_path = layout.shard_prompts(shard_id)
+    completions_path, rejects_path = layout.shard_completions(shard_id), layout.shard_rejects(shard_id)
+    fingerprint, template_hash = chat.fingerprint, chat.template_hash
+
+    def key_of(p: Prompt) -> str:
+        return request_key(p.prompt_id, spec.sampling, fingerprint, template_hash)
+
+    # Pass 1 (keys only, no tokenization): what the shard holds and what its checkpoint already settled.
+    shard_keys: set[str] = set()
+    duplicates = 0
+    for prompt in _read_prompts(prompts_path):
+        key = key_of(prompt)
+        duplicates += key in shard_keys
+        shard_keys.add(key)
+    done_completed, done_rejected = _ledger(completions_path, "completion"), _ledger(rejects_path, "reject")
+    settled = done_completed | done_rejected
+    foreign = settled - shard_keys
+    if done_completed & done_rejected or foreign:
+        raise CheckpointError(
+            f"shard {shard_id}: checkpoint {completions_path.name}/{rejects_path.name} holds "
+            f"{len(foreign)} requests not in this shard under this spec and model (sampling, model or template "
+            f"changed?) and {len(done_completed & done_rejected)} both completed and rejected; "
+            "use a new namespace instead of mixing"
+        )
+    if duplicates:
+        logger.warning("shard %d: %d duplicate prompt ids are generated once", shard_id, duplicates)
+    todo = len(shard_keys) - len(settled)
+    logger.info(
+        "shard %d: %d requests, %d settled in checkpoint, %d to do", shard_id, len(shard_keys), len(settled), todo
+    )
+    if todo:
+        dispatcher.add_expected(todo)
+
+    sampling = sampling_params_for(spec.sampling)
+    limit = spec.prompt_token_limit
+    # Keep about one box's worth in flight per shard: enough to fill the servers alone, bounded in memory.
+    window = max(1, dispatcher.total_target)
+    inflight: dict[concurrent.futures.Future[GenerateResult], tuple[Prompt, str, int]] = {}
+    failures: list[BaseException] = []
+    n_sent = 0
+    seen: set[str] = set()
+    completions, rejects = _Appender(completions_path, flush_interval_s), _Appender(rejects_path, flush_interval_s)
+
+    def harvest(timeout: float | None) -> None:
+        finished, _ = concurrent.futures.wait(inflight, timeout=timeout, return_when="FIRST_COMPLETED")
+        for fut in finished:
+            prompt, key, sent = inflight.pop(fut)
+            try:
+                result = fut.result()
+            except RequestRejected as exc:
+                rejects.write(_reject(prompt, key, "server_rejected", f"{exc.server}: {exc.message}").to_json())
+            except ProtocolError as exc:
+                rejects.write(_reject(prompt, key, "protocol_error", str(exc)).to_json())
+            except Exception as exc:  # not about this prompt: left unsettled so a shard retry resends it
+                failures.append(exc)
+            else:
+                completions.write(_completion(prompt, key, sent, result).to_json())
+        completions.sync_if_due()
+        rejects.sync_if_due()
+
+    try:
+        for prompt in _read_prompts(prompts_path):
+            key = key_of(prompt)
+            if key in settled or key in seen:
+                continue
+            seen.add(key)
+            try:
+                ids = chat.prompt_ids(prompt.messages, spec.sampling.enable_thinking)
+            except TemplateError as exc:
+                rejects.write(_reject(prompt, key, "template_error", f"chat template refused it: {exc}").to_json())
+                continue
+            if len(ids) > limit:
+                detail = (
+                    f"prompt has {len(ids)} tokens, limit is {limit} (context_length {spec.context_length}, "
+                    f"max_new_tokens {spec.sampling.max_new_tokens}, max_prompt_tokens {spec.max_prompt_tokens})"
+                )
+                rejects.write(_reject(prompt, key, "prompt_too_long", detail).to_json())
+                continue
+            inflight[dispatcher.submit(GenerateJob(ids, sampling, label=prompt.prompt_id))] = (prompt, key, len(ids))
+            n_sent += 1
+            while len(inflight) >= window:
+                harvest(flush_interval_s)
+            completions.sync_if_due()
+            rejects.sync_if_due()
+        while inflight:
+            harvest(flush_interval_s)
+    finally:
+        for fut in inflight:
+            fut.cancel()  # only queued ones cancel; what runs finishes on the servers, unrecorded
+        completions.close()
+        rejects.close()
+
+    if failures:
+        raise GenerationIncomplete(
+            f"shard {shard_id}: {len(failures)} of {n_sent} requests sent got no result; everything else is "
+            f"checkpointed and a retry sends only those. First error: {failures[0]}"
+        ) from failures[0]
+
+    n_completed, output_tokens, sha = _summarize(completions_path)
+    n_rejected = _count_rows(rejects_path)
+    if n_completed + n_rejected != len(shard_keys):
+        raise CheckpointError(
+            f"shard {shard_id}: {n_completed} completed + {n_rejected} rejected != {len(shard_keys)} requests"
+        )
+    logger.info(
+        "shard %d done: %d completed, %d rejected, %d sent now, %d output tokens",
+        shard_id,
+        n_completed,
+        n_rejected,
+        n_sent,
+        output_tokens,
+    )
+    return ShardResult(
+        shard_id=shard_id,
+        completions_path=str(completions_path),
+        rejects_path=str(rejects_path),
+        n_prompts=len(shard_keys),
+        n_completed=n_completed,
+        n_rejected=n_rejected,
+        n_sent=n_sent,
+        output_tokens=output_tokens,
+        completions_sha256=sha,
+    )

@@ -1,0 +1,348 @@
+"""Dispatcher policy: keeping servers full, retries and backoff, mark-down/requeue, stalls (MockTransport)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import random
+import threading
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from datagen.endpoints import ServerEndpoint
+from datagen.engine.client import (
+    AuthError,
+    GenerateResult,
+    ProtocolError,
+    RequestRejected,
+    SGLangClient,
+    sampling_params_for,
+)
+from datagen.engine.dispatcher import (
+    Dispatcher,
+    EngineStalled,
+    GenerateJob,
+    RetriesExhausted,
+    backoff_delay,
+)
+from datagen.runspec import SamplingSpec
+
+SAMPLING = sampling_params_for(SamplingSpec(max_new_tokens=16))
+GenerateHandler = Callable[[str, dict[str, Any]], Awaitable[httpx.Response]]
+
+
+def ok(body: dict[str, Any]) -> httpx.Response:
+    """A finished /generate answer echoing the prompt's first token id (to tell jobs apart)."""
+    out = [body["input_ids"][0], 248046]
+    meta = {"finish_reason": {"type": "stop", "matched": 248046}, "prompt_tokens": len(body["input_ids"])}
+    meta |= {"completion_tokens": 2, "e2e_latency": 0.01}
+    return httpx.Response(200, json={"text": "a", "output_ids": out, "meta_info": meta})
+
+
+class FakeServers:
+    """Per-server behaviour for /generate, plus counters; the control endpoints answer like SGLang."""
+
+    def __init__(self, capacity: int = 2) -> None:
+        self.capacity = capacity
+        self.generate: dict[str, GenerateHandler] = {}
+        self.healthy: dict[str, bool] = {}
+        self.waiting: dict[str, int] = {}
+        self.active: Counter[str] = Counter()
+        self.peak: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()
+        self.rids: list[str] = []
+        self.lock = threading.Lock()
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        name = request.url.host
+        path = request.url.path
+        if path == "/health":
+            return httpx.Response(200 if self.healthy.get(name, True) else 503)
+        if path == "/server_info":
+            return httpx.Response(200, json={"internal_states": [{"effective_max_running_requests_per_dp": 2}]})
+        if path == "/v1/loads":
+            load: dict[str, float] = {
+                "num_running_reqs": self.active[name],
+                "num_waiting_reqs": self.waiting.get(name, 0),
+            }
+            load |= {"max_running_requests": self.capacity, "gen_throughput": 100.0}
+            return httpx.Response(200, json={"loads": [load]})
+        body = json.loads(request.content)
+        with self.lock:
+            self.calls[name] += 1
+            self.rids.append(body["rid"])
+            self.active[name] += 1
+            self.peak[name] = max(self.peak[name], self.active[name])
+        try:
+            handler = self.generate.get(name)
+            if handler is None:
+                await asyncio.sleep(0.01)
+                return ok(body)
+            return await handler(name, body)
+        finally:
+            with self.lock:
+                self.active[name] -= 1
+
+    def factory(self, endpoint: ServerEndpoint) -> SGLangClient:
+        return SGLangClient(endpoint, transport=httpx.MockTransport(self.handle))
+
+
+@contextmanager
+def dispatcher(fake: FakeServers, names: tuple[str, ...] = ("a", "b"), **kwargs: Any) -> Iterator[Dispatcher]:
+    endpoints = [ServerEndpoint(name=n, url=f"http://{n}") for n in names]
+    options: dict[str, Any] = {
+        "queue_depth": 1,
+        "backoff_base_s": 0.01,
+        "backoff_max_s": 0.05,
+        "probe_interval_s": 0.05,
+        "load_poll_interval_s": 0.05,
+        "stall_timeout_s": 30.0,
+        "seed": 1,
+    }
+    d = Dispatcher(endpoints, client_factory=fake.factory, **(options | kwargs))
+    try:
+        assert d.wait_ready(10)
+        yield d
+    finally:
+        d.close()
+
+
+def job(i: int) -> GenerateJob:
+    return GenerateJob(input_ids=[i, 1, 2], sampling=SAMPLING, label=f"p{i}")
+
+
+def results(futures: list[concurrent.futures.Future[GenerateResult]]) -> list[GenerateResult]:
+    return [f.result(timeout=20) for f in futures]
+
+
+def test_keeps_each_server_at_capacity_plus_queue_and_never_above() -> None:
+    fake = FakeServers()
+
+    async def slowish(name: str, body: dict[str, Any]) -> httpx.Response:
+        await asyncio.sleep(0.05)
+        return ok(body)
+
+    fake.generate = {"a": slowish, "b": slowish}
+    with dispatcher(fake) as d:
+        out = results([d.submit(job(i)) for i in range(40)])
+        stats = d.stats()
+    assert sorted(r.output_ids[0] for r in out) == list(range(40))
+    # capacity 2 from /server_info + queue_depth 1: full, never more.
+    assert fake.peak == Counter({"a": 3, "b": 3})
+    assert stats.completed == 40 and stats.output_tokens == 80 and stats.queued == 0 and stats.in_flight == 0
+    assert {s.name: s.capacity for s in stats.servers} == {"a": 2, "b": 2}
+
+
+def test_submit_is_safe_from_many_threads() -> None:
+    fake = FakeServers()
+    with dispatcher(fake) as d, concurrent.futures.ThreadPoolExecutor(8) as pool:
+        batches = list(pool.map(lambda k: [d.submit(job(k * 100 + i)) for i in range(25)], range(8)))
+        out = results([f for batch in batches for f in batch])
+    assert sorted(r.output_ids[0] for r in out) == sorted(k * 100 + i for k in range(8) for i in range(25))
+    assert sum(fake.calls.values()) == 200
+
+
+def test_transient_errors_retry_with_new_rid_until_success() -> None:
+    fake = FakeServers()
+    failures = Counter[int]()
+
+    async def flaky(name: str, body: dict[str, Any]) -> httpx.Response:
+        key = body["input_ids"][0]
+        if failures[key] < 2:
+            failures[key] += 1
+            status = 500 if failures[key] == 1 else 503
+            return httpx.Response(status, json={"object": "error", "message": "The request queue is full."})
+        return ok(body)
+
+    fake.generate = {"a": flaky, "b": flaky}
+    with dispatcher(fake) as d:
+        out = results([d.submit(job(i)) for i in range(5)])
+        stats = d.stats()
+    assert [r.output_ids[0] for r in out] == list(range(5))
+    assert sum(fake.calls.values()) == 15
+    assert len(set(fake.rids)) == 15  # a fresh rid per attempt
+    assert stats.retries == 10 and stats.failed == 0
+
+
+def test_retries_are_bounded_and_report_the_last_errors() -> None:
+    fake = FakeServers()
+
+    async def broken(name: str, body: dict[str, Any]) -> httpx.Response:
+        return httpx.Response(500, json={"error": {"message": "CUDA error: an illegal memory access"}})
+
+    fake.generate = {"a": broken}
+    with dispatcher(fake, names=("a",), max_attempts=4, failures_before_probe=100) as d:
+        fut = d.submit(job(0))
+        with pytest.raises(RetriesExhausted, match=r"after 4 attempts.*illegal memory access"):
+            fut.result(timeout=20)
+    assert fake.calls["a"] == 4
+
+
+def test_a_400_is_never_retried() -> None:
+    fake = FakeServers()
+    message = "The input (9 tokens) is longer than the model's context length (8 tokens)."
+
+    async def too_long(name: str, body: dict[str, Any]) -> httpx.Response:
+        return httpx.Response(400, json={"error": {"message": message}})
+
+    fake.generate = {"a": too_long, "b": too_long}
+    with dispatcher(fake) as d:
+        fut = d.submit(job(0))
+        with pytest.raises(RequestRejected) as info:
+            fut.result(timeout=20)
+        assert d.stats().rejected == 1
+    assert info.value.message == message
+    assert sum(fake.calls.values()) == 1
+
+
+def test_protocol_errors_are_retried_a_bounded_number_of_times() -> None:
+    fake = FakeServers()
+
+    async def garbage(name: str, body: dict[str, Any]) -> httpx.Response:
+        return httpx.Response(200, content=b"<html>proxy error</html>")
+
+    fake.generate = {"a": garbage}
+    with (
+        dispatcher(fake, names=("a",), max_protocol_errors=3, failures_before_probe=100) as d,
+        pytest.raises(ProtocolError, match="not JSON"),
+    ):
+        d.submit(job(0)).result(timeout=20)
+    assert fake.calls["a"] == 3
+
+
+def test_refused_server_is_marked_down_work_moves_over_and_it_comes_back() -> None:
+    fake = FakeServers()
+    down_calls: list[str] = []
+
+    async def refused(name: str, body: dict[str, Any]) -> httpx.Response:
+        fake.healthy["a"] = False  # a dead process: /health is refused too
+        raise httpx.ConnectError("connection refused")
+
+    fake.generate = {"a": refused}
+    with dispatcher(fake, on_server_down=lambda e: down_calls.append(e.name), max_attempts=1) as d:
+        out = results([d.submit(job(i)) for i in range(30)])
+        assert sorted(r.output_ids[0] for r in out) == list(range(30))
+        assert {r.server for r in out} == {"b"}
+        # max_attempts=1 and yet nothing failed: refusals are not charged to the request.
+        stats = d.stats()
+        assert stats.failed == 0 and stats.requeued >= 1
+        assert down_calls == ["a"]
+        # The probe brings it back once healthy and answering.
+        fake.generate = {}
+        fake.healthy["a"] = True
+        for _ in range(200):
+            if {s.name: s.state for s in d.stats().servers}["a"] == "up":
+                break
+            threading.Event().wait(0.02)
+        assert {s.name: s.state for s in d.stats().servers}["a"] == "up"
+        later = results([d.submit(job(i)) for i in range(40)])
+    assert {r.server for r in later} == {"a", "b"}
+
+
+def test_dropped_connections_requeue_in_flight_requests_exactly_once() -> None:
+    fake = FakeServers()
+
+    async def dies(name: str, body: dict[str, Any]) -> httpx.Response:
+        await asyncio.sleep(0.1)  # requests pile up on "a" first, then the process "dies"
+        fake.healthy["a"] = False
+        raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+
+    fake.generate = {"a": dies}
+    with dispatcher(fake, max_attempts=1) as d:
+        out = results([d.submit(job(i)) for i in range(20)])
+    assert sorted(r.output_ids[0] for r in out) == list(range(20))
+    assert {r.server for r in out} == {"b"}
+    assert fake.calls["a"] >= 1
+
+
+def test_repeated_timeouts_then_failed_health_mark_a_server_down() -> None:
+    fake = FakeServers()
+
+    async def hangs(name: str, body: dict[str, Any]) -> httpx.Response:
+        fake.healthy["a"] = False
+        await asyncio.sleep(30)
+        return ok(body)
+
+    fake.generate = {"a": hangs}
+    with dispatcher(fake, timeout_floor_s=0.2, assumed_tokens_per_s=1e4, failures_before_probe=2) as d:
+        out = results([d.submit(job(i)) for i in range(10)])
+        states = {s.name: s.state for s in d.stats().servers}
+    assert sorted(r.output_ids[0] for r in out) == list(range(10))
+    assert states["a"] == "down"
+
+
+def test_stall_fails_everything_naming_servers_and_log_tail(tmp_path: Path) -> None:
+    fake = FakeServers()
+    log = tmp_path / "server-a.log"
+    log.write_text("loading weights\nRuntimeError: CUDA out of memory\n")
+
+    async def hangs(name: str, body: dict[str, Any]) -> httpx.Response:
+        await asyncio.sleep(30)
+        return ok(body)
+
+    fake.generate = {"a": hangs}
+    endpoints = [ServerEndpoint(name="a", url="http://a", log_path=str(log))]
+    d = Dispatcher(endpoints, client_factory=fake.factory, stall_timeout_s=0.5, load_poll_interval_s=0.05)
+    try:
+        futures = [d.submit(job(i)) for i in range(5)]
+        for fut in futures:
+            with pytest.raises(EngineStalled) as info:
+                fut.result(timeout=20)
+        assert "a (http://a, up, " in str(info.value)
+        assert "CUDA out of memory" in str(info.value)
+    finally:
+        d.close()
+
+
+def test_auth_failure_everywhere_is_fatal_with_a_clear_message() -> None:
+    fake = FakeServers()
+
+    async def unauthorized(name: str, body: dict[str, Any]) -> httpx.Response:
+        return httpx.Response(401, json={"error": "Unauthorized"})
+
+    fake.generate = {"a": unauthorized, "b": unauthorized}
+    with dispatcher(fake) as d:
+        futures = [d.submit(job(i)) for i in range(6)]
+        for fut in futures:
+            with pytest.raises(AuthError, match="API key"):
+                fut.result(timeout=20)
+
+
+def test_waiting_requests_on_a_server_shrink_its_share() -> None:
+    fake = FakeServers(capacity=2)
+    fake.waiting = {"a": 5}
+    with dispatcher(fake, queue_depth=1) as d:
+        for _ in range(200):
+            targets = {s.name: s.target for s in d.stats().servers}
+            if targets["a"] < 3:
+                break
+            threading.Event().wait(0.02)
+    # capacity 2 + queue 1 = 3; four excess waiting requests would take it to -1, floored at capacity // 2.
+    assert targets == {"a": 1, "b": 3}
+
+
+def test_request_timeout_follows_max_new_tokens_and_observed_speed() -> None:
+    fake = FakeServers()
+    with dispatcher(fake, names=("a",), timeout_floor_s=10.0, timeout_factor=4.0, assumed_tokens_per_s=5.0) as d:
+        server = d._servers[0]
+        small = GenerateJob([1], sampling_params_for(SamplingSpec(max_new_tokens=8)))
+        big = GenerateJob([1], sampling_params_for(SamplingSpec(max_new_tokens=8000)))
+        assert d._request_timeout(server, small) == 10.0  # the floor
+        assert d._request_timeout(server, big) == pytest.approx(4 * 8000 / 5.0)
+        server.speed = 40.0
+        assert d._request_timeout(server, big) == pytest.approx(4 * 8000 / 40.0)
+
+
+def test_backoff_is_capped_exponential_with_jitter() -> None:
+    rng = random.Random(0)
+    for attempt, ceiling in [(1, 0.5), (2, 1.0), (3, 2.0), (6, 16.0), (7, 20.0), (30, 20.0)]:
+        delays = [backoff_delay(attempt, 0.5, 20.0, rng) for _ in range(50)]
+        assert all(ceiling * 0.5 <= x <= ceiling for x in delays)
+        assert len(set(delays)) > 1
