@@ -396,5 +396,5 @@ def test_format_report_is_one_line_per_check_and_rows_match() -> None:
     assert len(lines) == 1 + len(results) + 1
     assert lines[0].split() == ["STATUS", "CHECK", "DETAIL"]
     assert lines[2].startswith("FAIL") and "PID 32244 (python train.py) | second line" in lines[2]
-    assert lines[-1] == "1 passed, 1 failed, 1 skipped"
+    assert lines[-1] == "checks: 1 pass, 1 fail, 1 skipped"
     assert report_rows(results)[1] == {"check": "gpu.free", "status": "fail", "detail": results[1].detail}
