@@ -14,12 +14,16 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import re
 import resource
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from datagen.chat import ChatTokenizer
 from datagen.endpoints import ServerEndpoint
@@ -63,6 +67,109 @@ class _RssSampler:
         self._thread.join()
 
 
+_METRIC = re.compile(r"^sglang:(\w+)\{[^}]*\} (\S+)$", re.MULTILINE)
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def _standin_pid(port: int) -> int:
+    """The stand-in process serving `port` (found by its command line)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                if b"datagen.standin" in argv and b"--port" in argv and argv[argv.index(b"--port") + 1] == b"%d" % port:
+                    return int(entry.name)
+    raise LookupError(f"no stand-in process on port {port}")
+
+
+@dataclass
+class _Sample:
+    t: float
+    running: list[float]
+    queued_at_servers: list[float]
+    server_tokens: float
+    dispatcher_queue: int
+    submitted: int
+
+
+@dataclass
+class _Monitor:
+    """Samples every server's /metrics and the dispatcher's queue: occupancy and token counters over time."""
+
+    endpoints: list[ServerEndpoint]
+    dispatcher: Dispatcher
+    interval_s: float = 0.25
+    samples: list[_Sample] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def sample(self, http: httpx.Client) -> _Sample:
+        running, queued, tokens = [], [], 0.0
+        for ep in self.endpoints:
+            values = {m[0]: float(m[1]) for m in _METRIC.findall(http.get(f"{ep.url}/metrics").text)}
+            running.append(values["num_running_reqs"])
+            queued.append(values["num_queue_reqs"])
+            tokens += values["generation_tokens_total"]
+        stats = self.dispatcher.stats()
+        return _Sample(time.monotonic(), running, queued, tokens, stats.queued, stats.submitted)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=30) as http:
+            while not self._stop.wait(self.interval_s):
+                self.samples.append(self.sample(http))
+
+    def __enter__(self) -> _Monitor:
+        with httpx.Client(timeout=30) as http:
+            self.samples.append(self.sample(http))
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        with httpx.Client(timeout=30) as http:
+            self.samples.append(self.sample(http))
+
+
+def _phases(samples: list[_Sample], n_requests: int, slots: int, ideal: float) -> dict[str, Any]:
+    """Split the run into ramp-up (until every slot is busy), steady state and tail.
+
+    The steady state ends when the dispatcher hands out its last request: from then on a slot that frees up
+    has nothing to take (the unavoidable tail of the last, longest generations).
+    """
+    capacity = slots * len(samples[0].running)
+    first, last = samples[0], samples[-1]
+    end = next((s for s in samples if s.submitted >= n_requests and s.dispatcher_queue == 0), last)
+    start = next((s for s in samples if sum(s.running) >= capacity or s is end), end)
+    steady = [s for s in samples if start.t <= s.t <= end.t]
+    ramp_s, steady_s, tail_s = start.t - first.t, end.t - start.t, last.t - end.t
+
+    def rate(a: _Sample, b: _Sample) -> float:
+        return (b.server_tokens - a.server_tokens) / max(b.t - a.t, 1e-9)
+
+    return {
+        "ramp_s": ramp_s,
+        "steady_s": steady_s,
+        "steady_utilization": rate(start, end) / ideal,
+        "steady_slot_occupancy": sum(sum(s.running) for s in steady) / max(1, len(steady)) / capacity,
+        "steady_mean_waiting_at_servers": sum(sum(s.queued_at_servers) for s in steady) / max(1, len(steady)),
+        "tail_s": tail_s,
+        "tail_share_of_wall": tail_s / max(last.t - first.t, 1e-9),
+        "tail_utilization": rate(end, last) / ideal,
+        "tail_tokens_share": (last.server_tokens - end.server_tokens)
+        / max(last.server_tokens - first.server_tokens, 1),
+    }
+
+
 def _write_shards(layout: RunLayout, shards: int, per_shard: int, tag: str) -> None:
     for s in range(shards):
         path = layout.shard_prompts(s)
@@ -86,13 +193,22 @@ def run_once(
     max_new_tokens: int,
     workers: int,
     tag: str,
+    ideal: float | None = None,
 ) -> dict[str, Any]:
-    """Generate `shards` x `per_shard` prompts through one dispatcher; return throughput and memory numbers."""
+    """Generate `shards` x `per_shard` prompts through one dispatcher; return throughput and memory numbers.
+
+    With `ideal` (tok/s), also sample the servers and split utilization into steady state and end-of-run tail.
+    """
     layout = RunLayout(work_dir / tag)
     _write_shards(layout, shards, per_shard, tag)
     spec = RunSpec(model_path=str(chat.model_dir), sampling=SamplingSpec(max_new_tokens=max_new_tokens))
-    with Dispatcher(endpoints, log_interval_s=15.0, stall_timeout_s=300.0) as dispatcher, _RssSampler() as rss:
+    pids = [_standin_pid(int(ep.url.rsplit(":", 1)[1])) for ep in endpoints]
+    with contextlib.ExitStack() as stack:
+        dispatcher = stack.enter_context(Dispatcher(endpoints, log_interval_s=15.0, stall_timeout_s=300.0))
+        rss = stack.enter_context(_RssSampler())
         dispatcher.wait_ready(60)
+        monitor = stack.enter_context(_Monitor(endpoints, dispatcher)) if ideal else None
+        server_cpu0 = [_cpu_s(p) for p in pids]
         cpu0, t0 = time.process_time(), time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             results = list(
@@ -102,11 +218,12 @@ def run_once(
             )
         wall = time.monotonic() - t0
         cpu = time.process_time() - cpu0
+        server_cpu = [_cpu_s(p) - c for p, c in zip(pids, server_cpu0, strict=True)]
         stats = dispatcher.stats()
     n = sum(r.n_prompts for r in results)
     assert n == sum(r.n_completed + r.n_rejected for r in results) == shards * per_shard
     tokens = sum(r.output_tokens for r in results)
-    return {
+    out: dict[str, Any] = {
         "prompts": n,
         "completed": sum(r.n_completed for r in results),
         "rejected": sum(r.n_rejected for r in results),
@@ -115,10 +232,22 @@ def run_once(
         "wall_s": wall,
         "output_tokens_per_s": tokens / wall,
         "client_cpu_ms_per_request": 1000 * cpu / max(1, n),
+        "client_cpu_share_of_one_core": cpu / wall,
+        "server_cpu_share_of_one_core": [c / wall for c in server_cpu],
+        "box_cpu_busy_share": (cpu + sum(server_cpu)) / (wall * (os.cpu_count() or 1)),
         "peak_rss_mb": rss.peak,
         "retries": stats.retries,
         "requeued": stats.requeued,
+        "servers_down_at_end": [s.name for s in stats.servers if s.state != "up"],
     }
+    if monitor is not None and ideal is not None:
+        out |= _phases(monitor.samples, n, endpoints[0].max_running_requests or 0, ideal)
+        t0 = monitor.samples[0].t
+        out["timeline"] = [
+            [round(x.t - t0, 2), sum(x.running), sum(x.queued_at_servers), x.dispatcher_queue, round(x.server_tokens)]
+            for x in monitor.samples[:: max(1, len(monitor.samples) // 200)]
+        ]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,13 +258,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--shards", type=int, default=20)
     ap.add_argument("--per-shard", type=int, default=150)
-    ap.add_argument("--workers", type=int, default=4, help="shard tasks running at once")
+    ap.add_argument("--workers", type=int, default=20, help="shard tasks running at once")
     ap.add_argument("--length-mean", type=float, default=1500)
     ap.add_argument("--length-max", type=int, default=8000)
     ap.add_argument("--time-scale", type=float, default=0.2)
     ap.add_argument("--step-base-ms", type=float, default=20.0)
     ap.add_argument("--step-per-req-ms", type=float, default=0.2)
-    ap.add_argument("--tokens-per-step", type=int, default=64)
+    ap.add_argument("--tokens-per-step", type=int, default=256)
     ap.add_argument("--memory-per-shard", type=int, default=50, help="1x prompts per shard of the memory runs")
     args = ap.parse_args(argv)
 
@@ -161,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             stack.enter_context(
                 run_standin(
                     chat.model_dir,
-                    args=("--max-running-requests", str(args.slots)),
+                    args=("--max-running-requests", str(args.slots), "--enable-metrics"),
                     env={**env, "DATAGEN_STANDIN_SEED": str(i)},
                 )
             )
@@ -176,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             max_new_tokens=args.length_max,
             workers=args.workers,
             tag="main",
+            ideal=ideal,
         )
         small = dict(shards=args.shards, max_new_tokens=16, workers=args.workers)
         mem_1x = run_once(endpoints, chat, work, per_shard=args.memory_per_shard, tag="mem1x", **small)
@@ -186,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         "ideal_tokens_per_s": ideal,
         "output_tokens_per_s": main_run["output_tokens_per_s"],
         "utilization": main_run["output_tokens_per_s"] / ideal,
+        "steady_utilization": main_run["steady_utilization"],
+        "tail_share_of_wall": main_run["tail_share_of_wall"],
         "client_cpu_ms_per_request": main_run["client_cpu_ms_per_request"],
         "peak_rss_mb": main_run["peak_rss_mb"],
         "main": main_run,
@@ -202,7 +334,18 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:8} {r['prompts']:>8} {r['output_tokens']:>10} {r['wall_s']:>7.1f} {r['output_tokens_per_s']:>9.0f} "
             f"{r['client_cpu_ms_per_request']:>10.2f} {r['peak_rss_mb']:>8.0f}"
         )
-    print(f"ideal {ideal:.0f} tok/s; utilization {report['utilization']:.1%} (end-of-run drain included)")
+    print(
+        f"ideal {ideal:.0f} tok/s; utilization {report['utilization']:.1%} over the whole run, "
+        f"{main_run['steady_utilization']:.1%} in steady state ({main_run['steady_s']:.1f} s after a "
+        f"{main_run['ramp_s']:.1f} s ramp, slot occupancy "
+        f"{main_run['steady_slot_occupancy']:.1%}); tail {main_run['tail_s']:.1f} s = "
+        f"{main_run['tail_share_of_wall']:.1%} of the wall time at {main_run['tail_utilization']:.1%}"
+    )
+    print(
+        f"CPU (share of one core): client {main_run['client_cpu_share_of_one_core']:.2f}, servers "
+        + " ".join(f"{c:.2f}" for c in main_run["server_cpu_share_of_one_core"])
+        + f"; box busy {main_run['box_cpu_busy_share']:.0%} of {os.cpu_count()} cores"
+    )
     return 0
 
 

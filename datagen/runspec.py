@@ -11,9 +11,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["PromptSource", "QualityGate", "RunSpec", "SamplingSpec", "ValidationSpec"]
+__all__ = ["AUTO_NAMESPACE", "PromptSource", "QualityGate", "RunSpec", "SamplingSpec", "ValidationSpec"]
 
+AUTO_NAMESPACE = "auto"  # RunSpec.namespace value: the flow picks the next free `expansion_vN`
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_BOX_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 
 
 class PromptSource(BaseModel):
@@ -102,7 +104,11 @@ class RunSpec(BaseModel):
     shard_size: int = Field(1000, ge=1, description="Prompts per shard (unit of checkpointing and caching).")
     namespace: str = Field(
         "expansion_v1",
-        description="Output namespace in the bucket; must not hold data already (publishing never overwrites).",
+        pattern=_NAMESPACE_RE.pattern,
+        description=(
+            "Output namespace in the bucket; must not hold data already (publishing never overwrites). "
+            "'auto' picks the next free expansion_vN."
+        ),
     )
     validation: ValidationSpec = Field(default_factory=ValidationSpec, description="Per-sample checks.")
     quality_gate: QualityGate = Field(default_factory=QualityGate, description="Dataset-level checks before publish.")
@@ -115,6 +121,36 @@ class RunSpec(BaseModel):
         description="Reject prompts longer than this; default: context length minus max_new_tokens.",
     )
     context_length: int = Field(262144, ge=1, description="Model context length (prompt + completion must fit).")
+    skip_published: bool = Field(
+        True,
+        description=(
+            "Skip every prompt id already published in an earlier namespace (the prompt catalog in S3), "
+            "so a run generates only new prompts."
+        ),
+    )
+    source_targets: dict[str, int] = Field(
+        default_factory=dict,
+        description="At most this many new prompts per source (source label -> count), a seeded random sample.",
+    )
+    category_targets: dict[str, int] = Field(
+        default_factory=dict,
+        description="At most this many new prompts per category (category -> count), a seeded random sample.",
+    )
+    selection_seed: int = Field(0, description="Seed of the random sample that source/category targets take.")
+    pilot: str | None = Field(
+        None,
+        description=(
+            "Name of a finished pilot run (flow `pilot`) on this box: its completions are reused instead of "
+            "generated again, and its length estimates order dispatch when order is 'long_first'."
+        ),
+    )
+    order: Literal["source", "long_first"] = Field(
+        "source",
+        description=(
+            "Dispatch order: 'source' (as read) or 'long_first' (longest predicted outputs first, from the "
+            "pilot's estimates; shortens the end-of-run tail where GPUs idle)."
+        ),
+    )
 
     @field_validator("namespace")
     @classmethod
@@ -133,6 +169,20 @@ class RunSpec(BaseModel):
             raise ValueError("served_model_name must not contain ':' (SGLang reads it as base:lora-adapter)")
         return v
 
+    @field_validator("source_targets", "category_targets")
+    @classmethod
+    def _targets(cls, v: dict[str, int]) -> dict[str, int]:
+        bad = sorted(k for k, n in v.items() if n < 0)
+        if bad:
+            raise ValueError(f"targets must be >= 0 (got negative targets for {bad})")
+        return v
+
+    @model_validator(mode="after")
+    def _long_first_needs_pilot(self) -> RunSpec:
+        if self.order == "long_first" and not self.pilot:
+            raise ValueError("order 'long_first' needs a pilot: its measured lengths are what the order follows")
+        return self
+
     @model_validator(mode="after")
     def _fits(self) -> RunSpec:
         if self.sampling.max_new_tokens >= self.context_length:
@@ -147,3 +197,65 @@ class RunSpec(BaseModel):
         """Longest prompt (in tokens) that can still be sent."""
         fit = self.context_length - self.sampling.max_new_tokens
         return min(fit, self.max_prompt_tokens) if self.max_prompt_tokens else fit
+
+
+class ExchangeSpec(BaseModel):
+    """How GPU boxes share a run's shards through S3: leases, checkpoint uploads, shards per box."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lease_s: float = Field(
+        120.0,
+        gt=0,
+        description="A shard claim lasts this long unless renewed; a dead box's shards are taken over after it.",
+    )
+    sync_interval_s: float = Field(
+        10.0, gt=0, description="How often a box uploads new checkpoint rows of its shards (and renews leases)."
+    )
+    shards_in_flight: int = Field(
+        2, ge=1, le=64, description="Shards one box generates at once (keeps its servers full across shard ends)."
+    )
+
+    @model_validator(mode="after")
+    def _renew_in_time(self) -> ExchangeSpec:
+        if self.sync_interval_s * 2 > self.lease_s:
+            raise ValueError(
+                f"sync_interval_s ({self.sync_interval_s}) must be at most half of lease_s ({self.lease_s}): "
+                "leases are renewed from the sync loop"
+            )
+        return self
+
+
+class MultiBoxSpec(BaseModel):
+    """Which GPU boxes a multi-box run uses and how the parent flow waits for them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    boxes: list[str] = Field(
+        default_factory=lambda: ["box-1"],
+        min_length=1,
+        description="Box names; each is the work queue its box's worker serves (one child flow run per box).",
+    )
+    deployment: str = Field(
+        "generate-on-box/per-box", description="Deployment of the per-box flow, as 'flow-name/deployment-name'."
+    )
+    exchange: ExchangeSpec = Field(default_factory=ExchangeSpec, description="Shard leases and checkpoint uploads.")
+    poll_s: float = Field(5.0, gt=0, description="How often the parent checks shard markers and child states.")
+    child_exit_grace_s: float = Field(
+        300.0,
+        ge=0,
+        description=(
+            "After every shard is done, how long a box's child run may take to end before the parent marks it "
+            "Crashed (its box died: nothing reports for it any more)."
+        ),
+    )
+
+    @field_validator("boxes")
+    @classmethod
+    def _boxes(cls, v: list[str]) -> list[str]:
+        bad = [b for b in v if not _BOX_RE.match(b)]
+        if bad:
+            raise ValueError(f"box names must be 1-63 letters, digits, '_' or '-': {bad}")
+        if len(set(v)) != len(v):
+            raise ValueError(f"box names must be unique: {v}")
+        return v

@@ -59,6 +59,16 @@ class Settings(BaseSettings):
     # --- Local state -------------------------------------------------------------------------
     work_dir: Path = Field(Path(".datagen"), description="Checkpoints, server logs and Prefect task results.")
 
+    # --- Multi-box runs ----------------------------------------------------------------------
+    box_name: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$",
+        description=(
+            "This box's name in multi-box runs: its work queue and the owner written on shard claims and "
+            "checkpoint parts in S3. None means the host name."
+        ),
+    )
+
     # --- Environment checks ------------------------------------------------------------------
     skip_gpu_checks: bool = Field(False, description="Skip (and report as skipped) the GPU probe: laptops, CI.")
     allowed_compute_capabilities: list[str] = Field(

@@ -32,23 +32,37 @@ from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 from pydantic import SecretStr
 
 import datagen
+from datagen import catalog
 from datagen.chat import ChatTokenizer
 from datagen.checks import CheckResult
 from datagen.dataset_card import Lineage, write_dataset_card
 from datagen.engine.dispatcher import Dispatcher
+from datagen.engine.launcher import ServerFleet
 from datagen.layout import RunLayout
-from datagen.runspec import RunSpec
+from datagen.runspec import AUTO_NAMESPACE, RunSpec
 from datagen.settings import Settings
 from datagen.storage import ObjectStore, s3_preflight
-from tasks import environment, generation, planning, provisioning, publishing, tokenization, validation
+from tasks import (
+    environment,
+    generation,
+    ordering,
+    pilot,
+    planning,
+    provisioning,
+    publishing,
+    tokenization,
+    validation,
+)
 
 __all__ = ["EnvironmentCheckFailed", "expand_dataset"]
 
 log = logging.getLogger(__name__)
 
-# How many shards are in flight at once. Every in-flight shard feeds all its requests to the one
-# dispatcher, so the servers stay full across shard boundaries; more only costs memory.
-SHARDS_IN_FLIGHT = 4
+# How many shards are in flight at once. Every in-flight shard feeds its requests to the one dispatcher,
+# and a shard's worker waits for its slowest (longest) generation before it takes the next shard, so
+# shards in flight x shard size must stay well above the box's slots (8 servers x ~76 = ~600) even while
+# several shards sit on their last long request; 4 shards drained the servers in the benchmark.
+SHARDS_IN_FLIGHT = 32
 
 
 class EnvironmentCheckFailed(RuntimeError):
@@ -80,6 +94,11 @@ def _check_environment(settings: Settings, spec: RunSpec, store: ObjectStore) ->
     return results
 
 
+def _start_servers(fleet: ServerFleet) -> list[str]:
+    endpoints = fleet.start()
+    return [f"{e.name}={e.url} (max running {e.max_running_requests})" for e in endpoints]
+
+
 def _generate_shard(
     shard_id: int,
     plan_sha256: str,
@@ -94,6 +113,7 @@ def _generate_shard(
 
 check_environment_task = task(name="check environment", cache_policy=NO_CACHE)(_check_environment)
 plan_task = task(name="plan shards", cache_policy=NO_CACHE)(planning.plan_shards)
+start_servers_task = task(name="start servers", cache_policy=NO_CACHE)(_start_servers)
 generate_shard_task = task(
     name="generate",
     task_run_name="generate shard-{shard_id:05d}",
@@ -106,6 +126,10 @@ validate_task = task(name="validate", cache_policy=NO_CACHE)(validation.validate
 gate_task = task(name="quality gate", cache_policy=NO_CACHE)(validation.check_quality_gate)
 tokenize_task = task(name="tokenize", cache_policy=NO_CACHE)(tokenization.tokenize_accepted)
 publish_task = task(name="publish", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)(publishing.publish)
+import_pilot_task = task(name="reuse pilot completions", cache_policy=NO_CACHE)(pilot.import_pilot)
+catalog_task = task(name="catalog prompt ids", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)(
+    catalog.write_part
+)
 
 
 @flow(
@@ -117,9 +141,12 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
     """Generate completions for a prompt set, validate, tokenize and publish them (never overwriting)."""
     logger = get_run_logger()
     settings = Settings()
+    store = ObjectStore.from_settings(settings)
+    if spec.namespace == AUTO_NAMESPACE:
+        spec = spec.model_copy(update={"namespace": catalog.next_expansion_namespace(store)})
+        logger.info("namespace 'auto' -> %s", spec.namespace)
     layout = RunLayout.for_run(settings.work_dir, spec.namespace)
     layout.root.mkdir(parents=True, exist_ok=True)
-    store = ObjectStore.from_settings(settings)
     started = time.monotonic()
 
     env_results = check_environment_task(settings, spec, store)
@@ -127,14 +154,37 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
     ctx = FlowRunContext.get()
     run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else None
     chat = ChatTokenizer.from_model_dir(spec.model_path)
-    plan = plan_task(spec, layout)
-    logger.info(
-        "planned %d prompts in %d shards (%d load rejects)", plan.n_prompts, len(plan.shard_ids), plan.n_load_rejects
+    # Prompts an earlier namespace published are skipped (this run's own part is not: a rerun plans the same).
+    skip = catalog.published_prompt_ids(store, exclude={spec.namespace}) if spec.skip_published else set()
+    projection = pilot.load_projection(settings.work_dir, spec.pilot) if spec.pilot else None
+    select, selection = ordering.run_filter(
+        spec, skip, layout.root / "sort-spill", projection.length_model if projection else None
     )
+    plan = plan_task(spec, layout, select=select)
+    logger.info(
+        "planned %d prompts in %d shards (%d load rejects, %d published before and skipped)",
+        plan.n_prompts,
+        len(plan.shard_ids),
+        plan.n_load_rejects,
+        len(skip),
+    )
+    if selection is not None:
+        create_markdown_artifact(
+            markdown="# Selection\n\n```json\n" + selection.model_dump_json(indent=1) + "\n```\n", key="selection"
+        )
+    if plan.n_prompts == 0:
+        logger.info("nothing new to generate in namespace %s: nothing is published", spec.namespace)
+        return {"uri": None, "namespace": spec.namespace, "prompts": 0, "skipped_published": len(skip)}
+    if spec.pilot:
+        reused = import_pilot_task(RunLayout.for_run(settings.work_dir, spec.pilot), layout, plan, spec, chat)
+        logger.info("reused %d completions of pilot %s", reused.imported_completions, spec.pilot)
 
     api_key = settings.sglang_api_key or SecretStr(secrets.token_urlsafe(24))
     shard_results: list[generation.ShardResult] = []
-    with provisioning.provision(settings, spec, layout, api_key) as fleet:
+    fleet = provisioning.provision(settings, spec, layout, api_key)
+    try:
+        # A named task, so a server that fails to start shows as a red task with its log lines.
+        start_servers_task(fleet)
         progress_id = cast(
             UUID, create_progress_artifact(progress=0.0, key="generation-progress", description="shards done (%)")
         )
@@ -150,6 +200,8 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
                 update_progress_artifact(artifact_id=progress_id, progress=100.0 * len(shard_results) / len(futures))
                 logger.info("%s", dispatcher.stats().line())
         server_version = fleet.engine_version
+    finally:
+        fleet.stop()
 
     shard_results.sort(key=lambda r: r.shard_id)
     summary = validate_task(
@@ -213,10 +265,15 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         "rejects_by_reason": tokenized.rejects_by_reason,
     }
     published = publish_task(layout.staging_dir, spec.namespace, store, lineage, dry_run=dry_run)
+    if not dry_run:
+        # After the manifest: a crash in between leaves a published namespace without a part, which
+        # catalog.backfill recovers; the reverse would skip prompts whose data never got published.
+        catalog_task(store, spec.namespace, layout.staging_dir)
     create_link_artifact(link=published.uri, link_text=f"dataset {spec.namespace}", key="published-dataset")
     elapsed = time.monotonic() - started
     report = {
         "uri": published.uri,
+        "namespace": spec.namespace,
         "rows": tokenized.n_rows,
         "rejects": tokenized.n_rejects,
         "prompts": plan.n_prompts,

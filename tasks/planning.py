@@ -15,14 +15,14 @@ import os
 import re
 import tempfile
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.layout import RunLayout
 from datagen.prompts import iter_prompts
-from datagen.records import Reject
+from datagen.records import Prompt, Reject
 from datagen.runspec import RunSpec
 
 __all__ = ["ShardEntry", "ShardPlan", "plan_manifest_path", "plan_shards", "read_plan"]
@@ -68,10 +68,21 @@ def plan_manifest_path(layout: RunLayout) -> Path:
     return layout.shards_dir / "plan.json"
 
 
-def plan_shards(spec: RunSpec, layout: RunLayout, base_dir: Path | None = None) -> ShardPlan:
-    """Stream the spec's prompt sources into shard files and load rejects; keep files that already match."""
+def plan_shards(
+    spec: RunSpec,
+    layout: RunLayout,
+    base_dir: Path | None = None,
+    select: Callable[[Iterator[Prompt | Reject]], Iterator[Prompt | Reject]] | None = None,
+) -> ShardPlan:
+    """Stream the spec's prompt sources into shard files and load rejects; keep files that already match.
+
+    `select` (optional) filters and reorders the stream before it is cut into shards (see tasks.selection and
+    tasks.ordering); shards are written in the order it yields, which is the dispatch order.
+    """
     # Resolves every source first: a config error raises here, before any file is touched.
     items = iter_prompts(spec.sources, base_dir)
+    if select is not None:
+        items = select(items)
     layout.shards_dir.mkdir(parents=True, exist_ok=True)
     layout.load_rejects.parent.mkdir(parents=True, exist_ok=True)
     manifest = plan_manifest_path(layout)

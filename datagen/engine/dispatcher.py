@@ -11,7 +11,7 @@ dispatcher runs its own asyncio loop in a background thread; `submit` is thread-
 - `EngineStalled`: no server finished anything for `stall_timeout_s` (message names servers and log tails);
 - `DispatcherClosed`: the dispatcher was closed first.
 
-A server whose connection is refused or dropped, or that times out repeatedly and then fails its health
+A server that refuses connections, or that drops one or times out repeatedly and then fails its health
 probe, is marked down; its in-flight requests go back to the front of the queue (without using up their
 attempts) and it is probed until healthy again.
 """
@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from datagen.endpoints import ServerEndpoint
 from datagen.engine.client import (
@@ -135,6 +137,7 @@ class _Work:
     future: concurrent.futures.Future[GenerateResult]
     attempts: int = 0  # transient failures charged to this request
     protocol_errors: int = 0
+    drops: int = 0  # dropped connections (not charged unless they keep happening)
     started: bool = False
     last_server: str = ""
     errors: list[str] = field(default_factory=list)
@@ -440,8 +443,17 @@ class Dispatcher:
             # Not the request's fault: requeue without charging an attempt.
             server.last_error = str(exc)
             self._c["requeued"] += 1
-            self._requeue_now(work)
-            self._mark_down(server, str(exc))
+            work.drops += 1
+            if work.drops > self.max_attempts:  # a server that keeps dropping it while looking healthy
+                self._charge(server, work, exc)
+            else:
+                self._requeue_now(work)
+            if isinstance(exc.__cause__, httpx.ConnectError | httpx.ConnectTimeout):
+                self._mark_down(server, str(exc))  # nothing listens: down for sure
+            elif not server.checking:
+                # A dropped connection alone is not proof: under load a kept-alive connection that the server
+                # closed as idle races with its reuse (ReadError). Only a failed health probe marks it down.
+                self._spawn(self._check_health(server))
         elif isinstance(exc, TransientError | ProtocolError):
             self._charge(server, work, exc)
         else:  # a bug, not a server fault: surface it on the future
@@ -556,7 +568,7 @@ class Dispatcher:
         server.checking = True
         try:
             if server.state == "up" and not await server.client.health():
-                self._mark_down(server, f"{server.consecutive_failures} failures in a row, then /health failed")
+                self._mark_down(server, f"{server.last_error}; then /health failed")
             else:
                 server.consecutive_failures = 0
         finally:

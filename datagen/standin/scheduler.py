@@ -116,38 +116,57 @@ class Scheduler:
         return (c1 - c0) / (t1 - t0) if t1 > t0 else 0.0
 
     # --- the loop ---------------------------------------------------------------------------
-    def _step_seconds(self, batch: int) -> float:
+    def _token_seconds(self, batch: int) -> float:
+        """Time for every running request to advance one token."""
         k = self.knobs
-        # One step advances tokens_per_step tokens, so it costs that many single-token steps:
-        # throughput does not depend on tokens_per_step, only the CPU spent does.
-        return k.tokens_per_step * (k.step_base_ms + k.step_per_req_ms * batch) * k.time_scale / 1000.0
+        return (k.step_base_ms + k.step_per_req_ms * batch) * k.time_scale / 1000.0
+
+    async def _sleep_until(self, deadline: float, interruptible: bool) -> bool:
+        """Sleep until `deadline`; with free slots, a new arrival ends the sleep early (then True)."""
+        delay = deadline - asyncio.get_running_loop().time()
+        if not interruptible or self.waiting or delay <= 0:
+            await asyncio.sleep(max(0.0, delay))
+            return False
+        self._wake.clear()
+        try:
+            await asyncio.wait_for(self._wake.wait(), delay)
+        except TimeoutError:
+            return False
+        return True
 
     async def run(self) -> None:
-        """Decode steps forever (cancel the task to stop)."""
+        """Decode forever (cancel the task to stop).
+
+        Each iteration advances the batch by up to `tokens_per_step` tokens, but never past the next request's
+        last token, so a request ends (and its slot is refilled) at its own token, and throughput equals the
+        per-token model whatever `tokens_per_step` is; a larger one only costs less CPU.
+        """
         loop = asyncio.get_running_loop()
-        deadline = loop.time()
+        clock = loop.time()  # simulated time the batch has been decoded up to
         per_step = self.knobs.tokens_per_step
         while True:
             if not self.running and not self.waiting:
                 self._wake.clear()
                 await self._wake.wait()
-                deadline = loop.time()
+                clock = loop.time()
             while self.waiting and len(self.running) < self.max_running:
                 self.running.append(self.waiting.popleft())
+            per_token = self._token_seconds(len(self.running))
+            n = min(per_step, min(len(r.plan.ids) - r.pos for r in self.running))
+            if clock < loop.time() - 1.0:  # far behind (process was starved): do not burst to catch up
+                clock = loop.time()
             # Deadlines, not plain sleeps: sleep overshoot does not accumulate into lower throughput.
-            deadline += self._step_seconds(len(self.running))
-            delay = deadline - loop.time()
-            if delay < -1.0:  # far behind (process was starved): do not burst to catch up
-                deadline = loop.time()
-            await asyncio.sleep(max(0.0, delay))
+            if await self._sleep_until(clock + n * per_token, len(self.running) < self.max_running):
+                n = min(n, int((loop.time() - clock) / per_token))  # woken early: only the tokens due by now
+            clock += n * per_token
+            if n == 0:
+                continue  # woken by an arrival before one token was due: admit it, then decode
             produced = 0
             still: list[Req] = []
             for r in self.running:
-                n = len(r.plan.ids)
-                step = min(per_step, n - r.pos)
-                r.pos += step
-                produced += step
-                if r.pos >= n:
+                r.pos += n
+                produced += n
+                if r.pos >= len(r.plan.ids):
                     self._finish(r, r.plan.finish_reason)
                 else:
                     still.append(r)

@@ -1,0 +1,185 @@
+"""The catalog of published prompt ids, kept in S3 beside the data: one immutable part per published namespace.
+
+    <prefix>_catalog/<namespace>.prompt-ids.parquet    prompt_id, source, category, status ("data" | "rejected")
+
+A part is written with `put_if_absent` right after its namespace's manifest, so it never changes once written and
+the catalog is the union of its parts. `_catalog/` cannot collide with a namespace (namespaces start with a letter
+or digit). A namespace published without its part (a crash between manifest and part, or a publish from before the
+catalog existed) is backfilled from the namespace's own parquet files when `next_expansion_namespace` or
+`backfill` finds it.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from datagen.storage import ObjectExists, ObjectStore
+
+__all__ = [
+    "CATALOG_DIR",
+    "CATALOG_SCHEMA",
+    "EXPANSION_PREFIX",
+    "CatalogError",
+    "backfill",
+    "build_part",
+    "catalog_namespaces",
+    "next_expansion_namespace",
+    "part_key",
+    "published_prompt_ids",
+    "write_part",
+]
+
+log = logging.getLogger(__name__)
+
+CATALOG_DIR = "_catalog/"
+EXPANSION_PREFIX = "expansion_v"
+_PART_SUFFIX = ".prompt-ids.parquet"
+_MANIFEST = "manifest.json"  # tasks.publishing.MANIFEST_NAME; repeated here so storage code does not import tasks
+_EXPANSION_RE = re.compile(rf"^{EXPANSION_PREFIX}(\d+)$")
+
+CATALOG_SCHEMA = pa.schema(
+    [
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("source", pa.string(), nullable=False),
+        pa.field("category", pa.string()),
+        pa.field("status", pa.string(), nullable=False),
+    ]
+)
+
+
+class CatalogError(RuntimeError):
+    """The catalog in S3 disagrees with what a namespace holds."""
+
+
+def part_key(namespace: str) -> str:
+    """Key (under the store's prefix) of one namespace's catalog part."""
+    return f"{CATALOG_DIR}{namespace}{_PART_SUFFIX}"
+
+
+def _rows_of(table: pa.Table, status: str, rows: dict[str, tuple[str, str | None, str]]) -> None:
+    ids = table.column("prompt_id").to_pylist()
+    sources = table.column("source").to_pylist()
+    categories = table.column("category").to_pylist() if "category" in table.column_names else [None] * len(ids)
+    for pid, source, category in zip(ids, sources, categories, strict=True):
+        # Load rejects have no prompt id (the row never parsed): nothing to skip later.
+        if pid is not None and (pid not in rows or rows[pid][2] != "data"):
+            rows[pid] = (source, category, status)
+
+
+def build_part(parquet_files: Iterable[tuple[str, bytes | Path]]) -> bytes:
+    """Catalog part bytes from a dataset's parquet files ("data/..." or "rejects/..." names), sorted by prompt id."""
+    rows: dict[str, tuple[str, str | None, str]] = {}
+    for name, content in parquet_files:
+        source = io.BytesIO(content) if isinstance(content, bytes) else content
+        columns = [c for c in ("prompt_id", "source", "category") if c in pq.read_schema(source).names]
+        if isinstance(source, io.BytesIO):
+            source.seek(0)
+        _rows_of(pq.read_table(source, columns=columns), "data" if name.startswith("data/") else "rejected", rows)
+    ordered = sorted(rows)
+    table = pa.table(
+        {
+            "prompt_id": ordered,
+            "source": [rows[p][0] for p in ordered],
+            "category": [rows[p][1] for p in ordered],
+            "status": [rows[p][2] for p in ordered],
+        },
+        schema=CATALOG_SCHEMA,
+    )
+    out = io.BytesIO()
+    pq.write_table(table, out, compression="zstd")
+    return out.getvalue()
+
+
+def _staged_parquet(staging_dir: Path) -> list[tuple[str, bytes | Path]]:
+    return [
+        (f"{kind}/{p.name}", p) for kind in ("data", "rejects") for p in sorted((staging_dir / kind).glob("*.parquet"))
+    ]
+
+
+def write_part(store: ObjectStore, namespace: str, staging_dir: Path) -> int:
+    """Write the catalog part of a just-published namespace from its staged files; returns the prompt ids in it.
+
+    An existing part is accepted only when it lists exactly the same prompt ids (a resumed run).
+    """
+    body = build_part(_staged_parquet(staging_dir))
+    return _put_part(store, namespace, body)
+
+
+def _put_part(store: ObjectStore, namespace: str, body: bytes) -> int:
+    ours = pq.read_table(io.BytesIO(body), columns=["prompt_id"]).column("prompt_id").to_pylist()
+    key = part_key(namespace)
+    try:
+        store.put_if_absent(key, body)
+    except ObjectExists:
+        theirs = _part_ids(store, namespace)
+        if theirs != set(ours):
+            raise CatalogError(
+                f"{store.uri(key)} already exists and lists {len(theirs)} prompt ids, but namespace {namespace!r} "
+                f"holds {len(ours)} different ones; the catalog part was not replaced"
+            ) from None
+    return len(ours)
+
+
+def _part_ids(store: ObjectStore, namespace: str) -> set[str]:
+    table = pq.read_table(io.BytesIO(store.get_bytes(part_key(namespace))), columns=["prompt_id"])
+    return set(table.column("prompt_id").to_pylist())
+
+
+def catalog_namespaces(store: ObjectStore) -> list[str]:
+    """Namespaces that have a catalog part, in key order."""
+    return [
+        o.key[len(CATALOG_DIR) : -len(_PART_SUFFIX)]
+        for o in store.list(CATALOG_DIR)
+        if o.key.endswith(_PART_SUFFIX) and "/" not in o.key[len(CATALOG_DIR) :]
+    ]
+
+
+def published_prompt_ids(store: ObjectStore, exclude: Iterable[str] = ()) -> set[str]:
+    """Every prompt id in the catalog (data and rejected), except the parts of the `exclude` namespaces."""
+    skip = set(exclude)
+    ids: set[str] = set()
+    for namespace in catalog_namespaces(store):
+        if namespace not in skip:
+            ids |= _part_ids(store, namespace)
+    return ids
+
+
+def backfill(store: ObjectStore, namespace: str) -> bool:
+    """Write the missing catalog part of a published namespace from its parquet files; True if one was written.
+
+    Reads the namespace's whole data files (the prompt_id column alone is not fetchable through ObjectStore): a
+    recovery path, not the normal one.
+    """
+    if store.head(f"{namespace}/{_MANIFEST}") is None or store.head(part_key(namespace)) is not None:
+        return False
+    files: list[tuple[str, bytes | Path]] = [
+        (o.key[len(namespace) + 1 :], store.get_bytes(o.key))
+        for kind in ("data/", "rejects/")
+        for o in store.list(f"{namespace}/{kind}")
+        if o.key.endswith(".parquet")
+    ]
+    n = _put_part(store, namespace, build_part(files))
+    log.warning("catalog: backfilled %s with %d prompt ids (the part was missing)", part_key(namespace), n)
+    return True
+
+
+def next_expansion_namespace(store: ObjectStore) -> str:
+    """The next free `expansion_vN`: one past the highest N that holds objects or a catalog part.
+
+    On the way, any published expansion namespace without a catalog part is backfilled, so its prompts are skipped.
+    """
+    taken = {int(m.group(1)) for ns in catalog_namespaces(store) if (m := _EXPANSION_RE.match(ns))}
+    n = 1
+    # Probe upward: a namespace holds objects (even an unfinished publish) or has a part -> taken.
+    while n in taken or store.exists(f"{EXPANSION_PREFIX}{n}/"):
+        backfill(store, f"{EXPANSION_PREFIX}{n}")
+        taken.add(n)
+        n += 1
+    return f"{EXPANSION_PREFIX}{max([n, *(t + 1 for t in taken)])}"

@@ -1,0 +1,397 @@
+"""Multi-box runs: a parent flow spreads a run's shards over GPU boxes, one per-box child flow on each box.
+
+    expand-dataset-multibox (anywhere, e.g. a control worker)     generate-on-box (one per box, on its worker)
+      plan shards, upload them to S3                                provision this box's servers (its Settings)
+      run_deployment(generate-on-box, work_queue=<box>) per box     loop: claim a shard in S3 (lease),
+      wait for every shard's done marker in S3                        restore its parts, generate, upload parts,
+      collect parts (dedupe by request_key) -> validate ->           write its done marker
+      gate -> tokenize -> gate -> publish                           until every shard is done
+
+S3 (tasks/shard_exchange.py) is the source of truth: claims with leases make the split dynamic (a box
+that finishes early claims more; a dead box's leases lapse and another box resumes its shards from the
+uploaded parts). Prefect only starts, links and shows the runs.
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import time
+from collections import Counter
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, cast
+from uuid import UUID
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import (
+    create_link_artifact,
+    create_markdown_artifact,
+    create_progress_artifact,
+    update_progress_artifact,
+)
+from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.objects import FlowRun
+from prefect.context import FlowRunContext
+from prefect.deployments import run_deployment
+from prefect.futures import PrefectFuture, wait
+from prefect.states import Crashed
+from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
+
+import datagen
+from datagen.chat import ChatTokenizer
+from datagen.dataset_card import Lineage, write_dataset_card
+from datagen.engine.dispatcher import Dispatcher
+from datagen.layout import RunLayout
+from datagen.records import Prompt
+from datagen.runspec import ExchangeSpec, MultiBoxSpec, RunSpec
+from datagen.settings import Settings
+from datagen.storage import ObjectStore, s3_preflight
+from flows.expand_dataset import (
+    check_environment_task,
+    gate_task,
+    plan_task,
+    publish_task,
+    tokenize_task,
+    validate_task,
+)
+from tasks import generation, provisioning, validation
+from tasks.planning import ShardPlan
+from tasks.shard_exchange import CheckpointSync, CollectedShard, Lease, ShardExchange, ShardExchangeError
+
+__all__ = ["BoxMismatch", "expand_dataset_multibox", "generate_on_box"]
+
+# A shard that failed this often on one box fails that box's run (another box or a re-run takes it over).
+MAX_SHARD_FAILURES_PER_BOX = 3
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+class BoxMismatch(RuntimeError):
+    """A per-box run reached a worker whose box name differs from the one it was sent to."""
+
+
+def _owner_token() -> str:
+    ctx = FlowRunContext.get()
+    return ctx.flow_run.id.hex[:12] if ctx and ctx.flow_run else secrets.token_hex(6)
+
+
+# --- per-box flow ------------------------------------------------------------------------------------
+
+
+def _generate_claimed_shard(
+    lease: Lease,
+    exchange: ShardExchange,
+    plan: ShardPlan,
+    spec: RunSpec,
+    layout: RunLayout,
+    dispatcher: Dispatcher,
+    chat: ChatTokenizer,
+    sync_interval_s: float,
+    engine_version: str | None,
+) -> generation.ShardResult:
+    shard_id = lease.shard_id
+    exchange.fetch_prompts(plan, shard_id, layout)
+    # Rows other boxes (or this box before a crash) finished are in S3: the ledger skips them.
+    known = exchange.restore_checkpoint(shard_id, layout)
+    with CheckpointSync(exchange, lease, layout, known, sync_interval_s) as sync:
+        result = generation.generate_shard(
+            shard_id, layout, dispatcher, chat, spec, flush_interval_s=min(2.0, sync_interval_s / 2)
+        )
+    sync.sync_once()  # the rest, now that the shard is complete; raises if S3 refuses
+    exchange.mark_done(result, engine_version)
+    return result
+
+
+generate_claimed_task = task(
+    name="generate", task_run_name="generate shard-{lease.shard_id:05d}", cache_policy=NO_CACHE
+)(_generate_claimed_shard)
+
+
+@flow(
+    name="generate-on-box",
+    task_runner=cast("TaskRunner[PrefectFuture[Any]]", ThreadPoolTaskRunner(max_workers=64)),
+    log_prints=True,
+)
+def generate_on_box(
+    spec: RunSpec = RunSpec(),  # noqa: B008
+    box: str = "",
+    exchange: ExchangeSpec = ExchangeSpec(),  # noqa: B008
+) -> dict[str, Any]:
+    """Start this box's servers and generate claimed shards until every shard of the run is done."""
+    logger = get_run_logger()
+    settings = Settings()
+    this_box = settings.box_name or socket.gethostname()
+    if box and box != this_box:
+        raise BoxMismatch(f"this run is for box {box!r} but reached box {this_box!r} (DATAGEN_BOX_NAME)")
+    store = ObjectStore.from_settings(settings)
+    sx = ShardExchange(store, spec.namespace, this_box, _owner_token(), lease_s=exchange.lease_s)
+    plan = sx.fetch_plan()
+    if sx.done_ids() >= set(plan.shard_ids):
+        logger.info("every shard is already done; nothing to start on %s", this_box)
+        return {"box": this_box, "shards": [], "output_tokens": 0}
+
+    check_environment_task(settings, spec, store)
+    layout = RunLayout.for_run(settings.work_dir, spec.namespace)
+    layout.root.mkdir(parents=True, exist_ok=True)
+    chat = ChatTokenizer.from_model_dir(spec.model_path)
+    finished: list[generation.ShardResult] = []
+    failures: Counter[int] = Counter()
+    with (
+        provisioning.provision(settings, spec, layout, provisioning.api_key_for(settings)) as fleet,
+        Dispatcher(fleet.endpoints, on_server_down=fleet.restart) as dispatcher,
+    ):
+        logger.info("box %s: %d servers up, owner token %s", this_box, len(fleet), sx.owner)
+        inflight: dict[PrefectFuture[generation.ShardResult], int] = {}
+        while True:
+            while len(inflight) < exchange.shards_in_flight:
+                lease = sx.claim_next(plan.shard_ids, exclude=set(inflight.values()))
+                if lease is None:
+                    break
+                logger.info("box %s claimed shard %d (claim %d)", this_box, lease.shard_id, lease.seq)
+                future = generate_claimed_task.submit(
+                    lease, sx, plan, spec, layout, dispatcher, chat, exchange.sync_interval_s, fleet.engine_version
+                )
+                inflight[future] = lease.shard_id
+            if not inflight:
+                if sx.done_ids() >= set(plan.shard_ids):
+                    break
+                # Every open shard is leased by a live box: wait, and take over any lease that lapses.
+                time.sleep(min(exchange.sync_interval_s, exchange.lease_s / 4))
+                continue
+            done, _ = wait(list(inflight), timeout=exchange.sync_interval_s)
+            for future in done:
+                shard_id = inflight.pop(future)
+                state = future.state
+                if state.is_completed():
+                    finished.append(future.result())
+                    continue
+                failures[shard_id] += 1
+                logger.warning("shard %d failed on %s (%d times): %s", shard_id, this_box, failures[shard_id], state)
+                if failures[shard_id] >= MAX_SHARD_FAILURES_PER_BOX:
+                    future.result()  # raises the shard's error; its lease lapses and another box takes it
+    report = {
+        "box": this_box,
+        "shards": sorted(r.shard_id for r in finished),
+        "output_tokens": sum(r.output_tokens for r in finished),
+    }
+    logger.info("box %s done: %s", this_box, report)
+    return report
+
+
+# --- parent flow -------------------------------------------------------------------------------------
+
+
+def _preflight(store: ObjectStore, namespace: str) -> None:
+    failed = [r for r in s3_preflight(store, namespace, resume=True) if r.failed]
+    if failed:
+        raise ShardExchangeError("S3 checks failed:\n" + "\n".join(f"- {r.name}: {r.detail}" for r in failed))
+
+
+def _expected_keys(layout: RunLayout, shard_id: int, spec: RunSpec, chat: ChatTokenizer) -> set[str]:
+    keys = set()
+    with open(layout.shard_prompts(shard_id), encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                prompt = Prompt.from_json(line)
+                keys.add(generation.request_key(prompt.prompt_id, spec.sampling, chat.fingerprint, chat.template_hash))
+    return keys
+
+
+def _collect(
+    exchange: ShardExchange, plan: ShardPlan, layout: RunLayout, spec: RunSpec, chat: ChatTokenizer
+) -> list[CollectedShard]:
+    """Every shard's rows from S3 into the local layout: each request exactly once, or an error."""
+    return [
+        exchange.collect_shard(shard_id, layout, _expected_keys(layout, shard_id, spec, chat))
+        for shard_id in plan.shard_ids
+    ]
+
+
+preflight_task = task(name="s3 preflight", cache_policy=NO_CACHE)(_preflight)
+publish_plan_task = task(name="upload plan", cache_policy=NO_CACHE)(ShardExchange.publish_plan)
+collect_task = task(name="collect shards", cache_policy=NO_CACHE)(_collect)
+
+
+def _launch_boxes(spec: RunSpec, boxes: MultiBoxSpec) -> dict[str, UUID]:
+    runs: dict[str, UUID] = {}
+    for box in boxes.boxes:
+        # timeout=0: the parent watches the shards in S3, not the child states (a dead box's run never ends).
+        child = run_deployment(
+            name=boxes.deployment,
+            parameters={
+                "spec": spec.model_dump(mode="json"),
+                "box": box,
+                "exchange": boxes.exchange.model_dump(mode="json"),
+            },
+            work_queue_name=box,
+            flow_run_name=f"{spec.namespace}-{box}",
+            as_subflow=True,
+            timeout=0,
+        )
+        runs[box] = cast(FlowRun, child).id
+    return runs
+
+
+def _wait_for_shards(exchange: ShardExchange, plan: ShardPlan, children: dict[str, UUID], boxes: MultiBoxSpec) -> None:
+    """Block until every shard is done; fail when every child ended first. Then settle the children's states."""
+    logger = get_run_logger()
+    progress_id = cast(
+        UUID, create_progress_artifact(progress=0.0, key="multibox-progress", description="shards done (%)")
+    )
+    wanted = set(plan.shard_ids)
+    last = -1
+    with get_client(sync_client=True) as client:
+
+        def states() -> dict[str, str]:
+            out = {}
+            for box, run_id in children.items():
+                state = client.read_flow_run(run_id).state
+                out[box] = state.type.value if state else "PENDING"
+            return out
+
+        while True:
+            done = exchange.done_ids() & wanted
+            if len(done) != last:
+                last = len(done)
+                update_progress_artifact(artifact_id=progress_id, progress=100.0 * last / len(wanted))
+                logger.info("%d of %d shards done", last, len(wanted))
+            if done == wanted:
+                break
+            current = states()
+            if all(s in TERMINAL for s in current.values()):
+                raise ShardExchangeError(
+                    f"every box run ended ({current}) with shards {sorted(wanted - done)} not done; run again with "
+                    "the same namespace to resume (done shards and uploaded checkpoint parts are kept)"
+                )
+            time.sleep(boxes.poll_s)
+
+        # A live box ends on its own once it sees every done marker; one that died never reports again.
+        deadline = time.monotonic() + boxes.child_exit_grace_s
+        while (pending := {b: s for b, s in states().items() if s not in TERMINAL}) and time.monotonic() < deadline:
+            time.sleep(boxes.poll_s)
+        for box in pending:
+            logger.warning(
+                "box %s did not end %.0f s after all shards were done: marking it Crashed",
+                box,
+                boxes.child_exit_grace_s,
+            )
+            client.set_flow_run_state(
+                children[box],
+                Crashed(message=f"box {box} stopped reporting; every shard was finished by the other boxes"),
+                force=True,
+            )
+
+
+@flow(name="expand-dataset-multibox", log_prints=True)
+def expand_dataset_multibox(
+    spec: RunSpec = RunSpec(),  # noqa: B008
+    boxes: MultiBoxSpec = MultiBoxSpec(),  # noqa: B008
+    dry_run: bool = False,
+) -> dict[str, Any]:
+    """Spread a run's shards over several GPU boxes, then validate, tokenize and publish (never overwriting)."""
+    logger = get_run_logger()
+    started = time.monotonic()
+    settings = Settings()
+    layout = RunLayout.for_run(settings.work_dir, spec.namespace)
+    layout.root.mkdir(parents=True, exist_ok=True)
+    store = ObjectStore.from_settings(settings)
+    exchange = ShardExchange(store, spec.namespace, "parent", _owner_token(), lease_s=boxes.exchange.lease_s)
+    ctx = FlowRunContext.get()
+    run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else None
+
+    preflight_task(store, spec.namespace)
+    chat = ChatTokenizer.from_model_dir(spec.model_path)
+    plan = plan_task(spec, layout)
+    publish_plan_task(exchange, plan, layout)
+    logger.info("planned %d prompts in %d shards for boxes %s", plan.n_prompts, len(plan.shard_ids), boxes.boxes)
+
+    children = _launch_boxes(spec, boxes)
+    _wait_for_shards(exchange, plan, children, boxes)
+    collected = collect_task(exchange, plan, layout, spec, chat)
+    shard_results = [c.result for c in collected]
+    rows_by_box: Counter[str] = Counter()
+    for c in collected:
+        rows_by_box.update(c.rows_by_box)
+    markers = [exchange.done_marker(s) for s in plan.shard_ids]
+    shards_by_box = Counter(str(m["box"]) for m in markers)
+    engine_versions = sorted({str(m["engine_version"]) for m in markers if m.get("engine_version")})
+
+    summary = validate_task(
+        [Path(r.completions_path) for r in shard_results],
+        layout.validated_dir,
+        spec.validation,
+        spec.sampling.enable_thinking,
+    )
+    upstream_rejects = plan.n_load_rejects + sum(r.n_rejected for r in shard_results)
+    gate = gate_task(summary, spec.quality_gate, upstream_rejects)
+    create_markdown_artifact(
+        markdown=validation.render_validation_report(summary, gate), key="validation-report", description="Validation"
+    )
+    if not gate.passed:
+        raise validation.QualityGateError(gate.text)
+    reject_paths = [
+        layout.load_rejects,
+        *(Path(r.rejects_path) for r in shard_results),
+        *(Path(p) for p in summary.reject_paths),
+    ]
+    tokenized = tokenize_task(
+        [Path(p) for p in summary.accepted_paths],
+        layout.staging_dir,
+        chat,
+        spec.sampling.enable_thinking,
+        extra_reject_paths=reject_paths,
+    )
+    final_gate = gate_task(summary, spec.quality_gate, upstream_rejects, tokenized.tokenize_rejected)
+    if not final_gate.passed:
+        raise validation.QualityGateError(final_gate.text)
+    write_dataset_card(
+        layout.staging_dir,
+        namespace=spec.namespace,
+        model=spec.served_model_name,
+        sampling=spec.sampling,
+        lineage=Lineage(
+            model_fingerprint=chat.fingerprint,
+            template_hash=chat.template_hash,
+            source_mix=tokenized.rows_by_source,
+            category_mix=tokenized.rows_by_category,
+            server_args=spec.server_args,
+            run_id=run_id,
+            created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        ),
+        sizes=tokenized.sizes(),
+    )
+    lineage = {
+        "run_spec": spec.model_dump(mode="json"),
+        "model_path": spec.model_path,
+        "model_fingerprint": chat.fingerprint,
+        "chat_template_hash": chat.template_hash,
+        "engine": settings.engine,
+        "engine_version": ", ".join(engine_versions) or None,
+        "boxes": {"shards": dict(shards_by_box), "rows": dict(rows_by_box)},
+        "pipeline_version": datagen.__version__,
+        "plan_sha256": plan.plan_sha256,
+        "rows": tokenized.n_rows,
+        "rejects": tokenized.n_rejects,
+        "rejects_by_reason": tokenized.rejects_by_reason,
+    }
+    published = publish_task(layout.staging_dir, spec.namespace, store, lineage, dry_run=dry_run)
+    create_link_artifact(link=published.uri, link_text=f"dataset {spec.namespace}", key="published-dataset")
+    report = {
+        "uri": published.uri,
+        "rows": tokenized.n_rows,
+        "rejects": tokenized.n_rejects,
+        "prompts": plan.n_prompts,
+        "shards": len(plan.shard_ids),
+        "shards_by_box": dict(shards_by_box),
+        "rows_by_box": dict(rows_by_box),
+        "duplicates_dropped": sum(c.duplicates_dropped for c in collected),
+        "output_tokens": sum(r.output_tokens for r in shard_results),
+        "wall_s": round(time.monotonic() - started, 1),
+        "dry_run": dry_run,
+    }
+    create_markdown_artifact(
+        markdown="# Run report\n\n" + "\n".join(f"- **{k}**: {v}" for k, v in report.items()), key="run-report"
+    )
+    logger.info("published %s", published.uri)
+    return report

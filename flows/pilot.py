@@ -1,0 +1,90 @@
+"""The `pilot` flow: a seeded, source-stratified sample through generation and validation, projected to the full set.
+
+It measures instead of assuming: output tokens (mean, percentiles, per source), throughput per server, and from
+them wall time, GPU-hours, reject rate and dataset size for the whole prompt set. The report is a markdown
+artifact plus `pilot.json`/`pilot.md` in the pilot's run directory. A main run with `RunSpec.pilot = <name>`
+reuses the pilot's completions (same request keys) and, with `order = "long_first"`, its length estimates.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, cast
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.futures import PrefectFuture, as_completed
+from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
+
+from datagen.catalog import published_prompt_ids
+from datagen.chat import ChatTokenizer
+from datagen.engine.dispatcher import Dispatcher
+from datagen.layout import RunLayout
+from datagen.runspec import AUTO_NAMESPACE, RunSpec
+from datagen.settings import Settings
+from datagen.storage import ObjectStore
+from flows.expand_dataset import SHARDS_IN_FLIGHT, check_environment_task, generate_shard_task, validate_task
+from tasks import generation, pilot, provisioning
+
+__all__ = ["pilot_flow"]
+
+plan_pilot_task = task(name="plan pilot sample", cache_policy=NO_CACHE)(pilot.plan_pilot)
+project_task = task(name="project full run", cache_policy=NO_CACHE)(pilot.project)
+
+
+@flow(
+    name="pilot",
+    task_runner=cast("TaskRunner[PrefectFuture[Any]]", ThreadPoolTaskRunner(max_workers=SHARDS_IN_FLIGHT)),
+    log_prints=True,
+)
+def pilot_flow(spec: RunSpec = RunSpec(), pilot_spec: pilot.PilotSpec = pilot.PilotSpec()) -> dict[str, Any]:  # noqa: B008
+    """Generate and validate a sample of the run's prompts; project tokens, time, GPU-hours and size for all."""
+    logger = get_run_logger()
+    settings = Settings()
+    store = ObjectStore.from_settings(settings)
+    layout = RunLayout.for_run(settings.work_dir, pilot_spec.name)
+    layout.root.mkdir(parents=True, exist_ok=True)
+
+    check_environment_task(settings, spec, store)
+    # The sample comes from what the main run would generate: the same catalog skips and targets.
+    exclude = set() if spec.namespace == AUTO_NAMESPACE else {spec.namespace}
+    skip = published_prompt_ids(store, exclude=exclude) if spec.skip_published else set()
+    plan, population = plan_pilot_task(spec, pilot_spec, layout, skip)
+    logger.info("pilot sample: %d prompts in %d shards", plan.n_prompts, len(plan.shard_ids))
+    if plan.n_prompts == 0:
+        raise ValueError("the pilot found no prompts to sample (all published already, or targets of 0)")
+    chat = ChatTokenizer.from_model_dir(spec.model_path)
+
+    api_key = provisioning.api_key_for(settings)
+    results: list[generation.ShardResult] = []
+    with (
+        provisioning.provision(settings, spec, layout, api_key) as fleet,
+        Dispatcher(fleet.endpoints, on_server_down=fleet.restart) as dispatcher,
+    ):
+        dispatcher.wait_ready(settings.server_start_timeout_s)
+        with pilot.ThroughputProbe(dispatcher) as probe:
+            futures = [
+                generate_shard_task.with_options(result_storage=layout.root / "task-results").submit(
+                    shard_id, plan.plan_sha256, chat.fingerprint, spec, layout, dispatcher, chat
+                )
+                for shard_id in plan.shard_ids
+            ]
+            results = [f.result() for f in as_completed(futures)]
+        throughput = probe.measure()
+
+    results.sort(key=lambda r: r.shard_id)
+    summary = validate_task(
+        [Path(r.completions_path) for r in results],
+        layout.validated_dir,
+        spec.validation,
+        spec.sampling.enable_thinking,
+    )
+    servers = pilot_spec.project_servers or settings.num_servers
+    projection = project_task(layout, plan, population, summary, throughput, servers, pilot_spec)
+    path = pilot.write_projection(layout, projection)
+    create_markdown_artifact(
+        markdown=pilot.render_projection(projection), key="pilot-projection", description="Pilot projection"
+    )
+    logger.info("pilot projection written to %s", path)
+    return {"path": str(path), **projection.model_dump(mode="json")}

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Register datagen's deployments (prefect.yaml) with a Prefect server. Idempotent: safe to re-run after
+# every change to prefect.yaml or to a flow's parameters.
+#   PREFECT_API_URL=http://prefect-host:4200/api bash infra/deploy.sh
+# Optional: DATAGEN_WORK_POOL (default gpu-box-1, the pool prefect.yaml names), PREFECT_BIN.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+if [ -z "${PREFECT_API_URL:-}" ]; then
+  # Without it every prefect command silently talks to a throwaway ephemeral server.
+  echo "deploy.sh: set PREFECT_API_URL to the server's API, e.g. http://127.0.0.1:4200/api" >&2
+  exit 2
+fi
+prefect_bin=${PREFECT_BIN:-}
+if [ -z "$prefect_bin" ]; then
+  if [ -x .venv/bin/prefect ]; then prefect_bin=.venv/bin/prefect; else prefect_bin=prefect; fi
+fi
+pool=${DATAGEN_WORK_POOL:-gpu-box-1}
+# The pool must exist before `prefect deploy`: with a missing pool it exits 1 and creates nothing.
+"$prefect_bin" work-pool create "$pool" --type process --overwrite
+# prefect.yaml's pull step says "{{ $DATAGEN_HOME }}". `prefect deploy` substitutes env placeholders it can
+# resolve at deploy time, so with DATAGEN_HOME set here the deploying machine's path would be baked into
+# every deployment. Unset, the placeholder is stored as is and each worker resolves its own checkout.
+env -u DATAGEN_HOME "$prefect_bin" deploy --all --no-prompt

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Run a Prefect process worker for datagen on this box (one per GPU box; it runs one flow run at a time,
+# and that run uses every GPU of the box). Stop it with SIGINT (Ctrl-C, systemd KillSignal=SIGINT).
+#   PREFECT_API_URL=http://prefect-host:4200/api bash infra/prefect-worker.sh
+# The worker's environment is the flow runs' environment: export the DATAGEN_* settings (or put them in
+# $DATAGEN_HOME/.env) before starting it. Optional: DATAGEN_WORK_POOL (default gpu-box-1),
+# DATAGEN_WORKER_NAME (default gpu-worker-<hostname>), DATAGEN_WORKER_LIMIT (default 1), PREFECT_BIN.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [ -z "${PREFECT_API_URL:-}" ]; then
+  echo "prefect-worker.sh: set PREFECT_API_URL to the server's API, e.g. http://127.0.0.1:4200/api" >&2
+  exit 2
+fi
+# prefect.yaml's pull step moves each flow run into $DATAGEN_HOME: the checkout with datagen installed.
+export DATAGEN_HOME="${DATAGEN_HOME:-$here}"
+if [ ! -f "$DATAGEN_HOME/prefect.yaml" ]; then
+  echo "prefect-worker.sh: DATAGEN_HOME=$DATAGEN_HOME is not a datagen checkout (no prefect.yaml)" >&2
+  exit 2
+fi
+prefect_bin=${PREFECT_BIN:-}
+if [ -z "$prefect_bin" ]; then
+  if [ -x "$DATAGEN_HOME/.venv/bin/prefect" ]; then prefect_bin="$DATAGEN_HOME/.venv/bin/prefect"; else prefect_bin=prefect; fi
+fi
+cd "$DATAGEN_HOME"
+# exec: the worker gets this script's pid, so signals (SIGINT from systemd or a test) reach it directly.
+exec "$prefect_bin" worker start \
+  --pool "${DATAGEN_WORK_POOL:-gpu-box-1}" \
+  --type process \
+  --name "${DATAGEN_WORKER_NAME:-gpu-worker-$(hostname -s)}" \
+  --limit "${DATAGEN_WORKER_LIMIT:-1}"

@@ -1,0 +1,210 @@
+"""Long outputs first: predict each prompt's output length and plan shards longest-expected first.
+
+The dispatcher is FIFO and shards are submitted in plan order, so the order of the shard files is the dispatch
+order. Putting the long generations first leaves only short ones for the end of the run, where the last slots
+would otherwise run one long request each while the rest of the GPU idles.
+
+The predictor (`LengthModel`) is fitted on a pilot's completions: a mean per (source, category), shrunk toward
+its source's mean and the global mean when it rests on few samples, times a power of the prompt's length in
+characters (a cheap feature that needs no tokenizer).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import shutil
+from collections import defaultdict
+from collections.abc import Collection, Iterable, Iterator
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from datagen.prompts import iter_prompts
+from datagen.records import Prompt, Reject
+from datagen.runspec import RunSpec
+from tasks.selection import Items, PromptFilter, SelectionReport, choose, filtered
+
+__all__ = [
+    "GroupStat",
+    "LengthModel",
+    "LengthSample",
+    "long_first",
+    "long_first_filter",
+    "prompt_chars",
+    "run_filter",
+]
+
+# Pseudo-samples pulling a small group's mean toward its parent's: 5 samples weigh as much as the prior.
+SHRINKAGE = 5.0
+MIN_SAMPLES_FOR_SLOPE = 20
+SPILL_RUN = 50_000  # prompts held in memory per sorted run; more spill to disk and are merged
+
+
+def prompt_chars(p: Prompt) -> int:
+    """The prompt's length in characters over all its messages."""
+    return sum(len(m["content"]) for m in p.messages)
+
+
+class GroupStat(BaseModel):
+    """Samples and mean output tokens of one group."""
+
+    model_config = ConfigDict(frozen=True)
+
+    n: int
+    mean: float
+
+
+class LengthSample(BaseModel):
+    """One pilot observation: the prompt's features and the output tokens it took."""
+
+    source: str
+    category: str | None
+    prompt_chars: int
+    output_tokens: int
+
+
+class LengthModel(BaseModel):
+    """Predicted output tokens of a prompt from its source, category and length."""
+
+    global_mean: float = Field(..., description="Mean output tokens over all samples.")
+    by_source: dict[str, GroupStat] = Field(default_factory=dict)
+    by_category: dict[str, dict[str, GroupStat]] = Field(
+        default_factory=dict, description="source -> category -> stats."
+    )
+    slope: float = Field(0.0, description="Exponent of (prompt chars / typical prompt chars); 0 when not fitted.")
+    log_chars_mean: float = Field(0.0, description="Mean log(1 + prompt chars) of the samples.")
+
+    @classmethod
+    def fit(cls, samples: Iterable[LengthSample]) -> LengthModel:
+        """Fit group means (with shrinkage) and the prompt-length exponent on pilot samples."""
+        rows = list(samples)
+        if not rows:
+            raise ValueError("a length model needs at least one sample")
+        global_mean = sum(r.output_tokens for r in rows) / len(rows)
+        src: dict[str, list[int]] = defaultdict(list)
+        grp: dict[tuple[str, str], list[int]] = defaultdict(list)
+        for r in rows:
+            src[r.source].append(r.output_tokens)
+            if r.category is not None:
+                grp[(r.source, r.category)].append(r.output_tokens)
+        by_source = {s: GroupStat(n=len(v), mean=sum(v) / len(v)) for s, v in sorted(src.items())}
+        by_category: dict[str, dict[str, GroupStat]] = defaultdict(dict)
+        for (s, c), v in sorted(grp.items()):
+            by_category[s][c] = GroupStat(n=len(v), mean=sum(v) / len(v))
+        model = cls(global_mean=global_mean, by_source=by_source, by_category=dict(by_category))
+        # Prompt length: least squares of the log residual on centred log chars, over samples with output.
+        xs = [math.log1p(r.prompt_chars) for r in rows if r.output_tokens > 0]
+        if len(xs) < MIN_SAMPLES_FOR_SLOPE:
+            return model
+        x_mean = sum(xs) / len(xs)
+        resid = [
+            math.log(r.output_tokens) - math.log(max(model._group_mean(r.source, r.category), 1.0))
+            for r in rows
+            if r.output_tokens > 0
+        ]
+        sxx = sum((x - x_mean) ** 2 for x in xs)
+        sxy = sum((x - x_mean) * y for x, y in zip(xs, resid, strict=True))
+        # Clamped: a small pilot must not turn a weak correlation into an extreme prediction.
+        slope = max(-1.0, min(1.0, sxy / sxx)) if sxx > 1e-9 * len(xs) else 0.0
+        return model.model_copy(update={"slope": slope, "log_chars_mean": x_mean})
+
+    def _group_mean(self, source: str, category: str | None) -> float:
+        stat = self.by_source.get(source)
+        source_mean = (
+            (stat.n * stat.mean + SHRINKAGE * self.global_mean) / (stat.n + SHRINKAGE) if stat else self.global_mean
+        )
+        cat = self.by_category.get(source, {}).get(category) if category is not None else None
+        return (cat.n * cat.mean + SHRINKAGE * source_mean) / (cat.n + SHRINKAGE) if cat else source_mean
+
+    def predict(self, p: Prompt) -> float:
+        """Expected output tokens of a prompt."""
+        base = self._group_mean(p.source, p.category)
+        if self.slope == 0.0:
+            return base
+        return base * math.exp(self.slope * (math.log1p(prompt_chars(p)) - self.log_chars_mean))
+
+
+def long_first(items: Iterable[Prompt | Reject], model: LengthModel, spill_dir: Path, run: int = SPILL_RUN) -> Items:
+    """Prompts by predicted output length, longest first (ties keep input order); load rejects pass through first.
+
+    An external merge sort: runs of `run` prompts are sorted and spilled to `spill_dir` (removed at the end), so
+    memory stays bounded at any prompt count.
+    """
+    runs: list[Path] = []
+    buffer: list[tuple[float, int, Prompt]] = []
+    try:
+        for seq, item in enumerate(items):
+            if isinstance(item, Reject):
+                yield item
+                continue
+            buffer.append((-model.predict(item), seq, item))
+            if len(buffer) >= run:
+                runs.append(_spill(buffer, spill_dir, len(runs)))
+                buffer = []
+        buffer.sort(key=lambda e: (e[0], e[1]))
+        if not runs:
+            for _, _, prompt in buffer:
+                yield prompt
+            return
+        if buffer:
+            runs.append(_spill(buffer, spill_dir, len(runs)))
+        for _, _, line in heapq.merge(*(_read_run(path) for path in runs)):
+            yield Prompt.from_json(line)
+    finally:
+        if runs:
+            shutil.rmtree(spill_dir, ignore_errors=True)
+
+
+def long_first_filter(model: LengthModel, spill_dir: Path, then: PromptFilter | None = None) -> PromptFilter:
+    """A planning hook: apply `then` (e.g. a selection), then order longest-expected first."""
+
+    def select(items: Items) -> Items:
+        return long_first(then(items) if then else items, model, spill_dir)
+
+    return select
+
+
+def _spill(buffer: list[tuple[float, int, Prompt]], spill_dir: Path, index: int) -> Path:
+    buffer.sort(key=lambda e: (e[0], e[1]))
+    spill_dir.mkdir(parents=True, exist_ok=True)
+    path = spill_dir / f"run-{index:05d}.tsv"
+    with open(path, "w", encoding="utf-8") as f:
+        for key, seq, prompt in buffer:
+            # repr() of a float round-trips exactly; JSON never holds a raw tab or newline.
+            f.write(f"{key!r}\t{seq}\t{prompt.to_json()}\n")
+    return path
+
+
+def _read_run(path: Path) -> Iterator[tuple[float, int, str]]:
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            key, seq, body = line.rstrip("\n").split("\t", 2)
+            yield float(key), int(seq), body
+
+
+def run_filter(
+    spec: RunSpec,
+    skip: Collection[str],
+    spill_dir: Path,
+    model: LengthModel | None = None,
+    base_dir: Path | None = None,
+) -> tuple[PromptFilter | None, SelectionReport | None]:
+    """The planning hook of a main run: skip published ids, apply the targets, order longest-expected first.
+
+    Targets need one extra pass over the sources (to draw their seeded sample); the report is None without one.
+    """
+    keep: PromptFilter | None = None
+    report: SelectionReport | None = None
+    if spec.source_targets or spec.category_targets:
+        selection, report = choose(
+            iter_prompts(spec.sources, base_dir), skip, spec.source_targets, spec.category_targets, spec.selection_seed
+        )
+        keep = filtered(selection.keeps)
+    elif skip:
+        keep = filtered(lambda p: p.prompt_id not in skip)
+    if spec.order == "long_first":
+        if model is None:
+            raise ValueError("order 'long_first' needs the pilot's length model")
+        return long_first_filter(model, spill_dir, then=keep), report
+    return keep, report

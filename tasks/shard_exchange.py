@@ -1,0 +1,507 @@
+"""Shared run state of a multi-box run in S3: the plan, shard claims with leases, checkpoint parts, done markers.
+
+Everything lives under `_runs/<namespace>/` in the store and is only ever created, never replaced:
+
+    plan.json                                        the plan (shard ids, checksums) every box works from
+    shards/shard-00042.prompts.jsonl                 a shard's prompts
+    claims/shard-00042/000007.json                   claim number 7: box, owner token, lease expiry
+    checkpoints/shard-00042/completions/part-<box>-<owner>-000003.jsonl   checkpoint rows, in immutable parts
+    checkpoints/shard-00042/rejects/part-<box>-<owner>-000004.jsonl
+    done/shard-00042.json                            written once every request of the shard is in the parts
+
+Nothing can be overwritten, so a lease renewal or a takeover is the next claim number, created with
+put_if_absent: two boxes racing for number n+1 cannot both win. The highest claim whose lease has not
+expired owns the shard. Lease expiry is read against each box's own clock: keep boxes on NTP.
+A box that loses its lease while still working only wastes work: parts may then hold a request twice,
+and every reader dedupes by request_key (a completion wins over a reject, then the first part in key order).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from datagen.layout import RunLayout
+from datagen.storage import ObjectExists, ObjectStore
+from tasks.generation import ShardResult
+from tasks.planning import ShardPlan, plan_manifest_path
+
+__all__ = [
+    "RUNS_PREFIX",
+    "CheckpointSync",
+    "Claim",
+    "CollectedShard",
+    "IncompleteShard",
+    "Lease",
+    "RunStateConflict",
+    "ShardExchange",
+    "ShardExchangeError",
+    "ShardRows",
+]
+
+logger = logging.getLogger("datagen.exchange")
+
+RUNS_PREFIX = "_runs"
+_KINDS = ("completions", "rejects")
+
+
+class ShardExchangeError(RuntimeError):
+    """The shared run state in S3 is not what this run expects."""
+
+
+class RunStateConflict(ShardExchangeError):
+    """The namespace's run state was made by a different plan; it is never replaced (use a new namespace)."""
+
+
+class IncompleteShard(ShardExchangeError):
+    """A shard's checkpoint parts in S3 do not hold exactly its requests."""
+
+
+class Claim(BaseModel):
+    """One claim object: who holds a shard until when."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    shard_id: int
+    seq: int = Field(..., ge=1, description="Claim number; the object's name.")
+    box: str
+    owner: str = Field(..., description="Token of the claiming process (one per per-box flow run).")
+    expires_at: float = Field(..., description="Unix time the lease ends unless renewed (the claimer's clock).")
+
+
+@dataclass
+class Lease:
+    """A claim this process holds (mutable: renewal moves seq and expiry)."""
+
+    shard_id: int
+    seq: int
+    expires_at: float
+    lost: bool = False
+
+
+@dataclass
+class ShardRows:
+    """A shard's rows merged from every part: request_key -> JSON line, plus what the merge dropped."""
+
+    completions: dict[str, str] = field(default_factory=dict)
+    rejects: dict[str, str] = field(default_factory=dict)
+    duplicates: int = 0
+    rows_by_box: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def keys(self) -> set[str]:
+        return set(self.completions) | set(self.rejects)
+
+
+class CollectedShard(BaseModel):
+    """A shard collected from S3 into the local layout."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    result: ShardResult
+    duplicates_dropped: int = Field(description="Rows found in more than one part (kept once).")
+    rows_by_box: dict[str, int] = Field(description="Kept rows per box that generated them.")
+
+
+def _shard_name(shard_id: int) -> str:
+    return f"shard-{shard_id:05d}"
+
+
+def _request_key(line: str, where: str) -> str:
+    row = json.loads(line)
+    key = row.get("request_key") if isinstance(row, dict) else None
+    if not isinstance(key, str):
+        raise ShardExchangeError(f"{where}: a row has no request_key")
+    return key
+
+
+def _part_box(key: str) -> str:
+    # part-<box>-<owner>-<seq>.jsonl; box names may contain '-', owner and seq do not.
+    return key.rsplit("/", 1)[-1].removeprefix("part-").rsplit("-", 2)[0]
+
+
+def _write_atomic(path: Path, lines: Iterable[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for line in lines:
+                f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _local_rows(path: Path) -> list[str]:
+    """Complete JSON lines of a local checkpoint; a torn last line (crash mid-write) is left out."""
+    if not path.exists():
+        return []
+    raw = path.read_bytes().split(b"\n")
+    rows: list[str] = []
+    for i, line in enumerate(raw):
+        if not line.strip():
+            continue
+        text = line.decode("utf-8")
+        try:
+            json.loads(text)
+        except ValueError:
+            if i >= len(raw) - 2:
+                break
+            raise ShardExchangeError(f"{path}: line {i + 1} is not JSON") from None
+        rows.append(text)
+    return rows
+
+
+class ShardExchange:
+    """One box's (or the parent's) handle on a namespace's run state in S3."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        namespace: str,
+        box: str,
+        owner: str,
+        lease_s: float = 120.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not owner.isalnum():
+            raise ValueError(f"owner token must be letters and digits (it is part of object names): {owner!r}")
+        self.store = store
+        self.namespace = namespace
+        self.box = box
+        self.owner = owner
+        self.lease_s = lease_s
+        self.clock = clock
+        self.root = f"{RUNS_PREFIX}/{namespace}"
+
+    # --- names ---------------------------------------------------------------------------------------
+
+    @property
+    def plan_key(self) -> str:
+        return f"{self.root}/plan.json"
+
+    def prompts_key(self, shard_id: int) -> str:
+        return f"{self.root}/shards/{_shard_name(shard_id)}.prompts.jsonl"
+
+    def claims_prefix(self, shard_id: int) -> str:
+        return f"{self.root}/claims/{_shard_name(shard_id)}/"
+
+    def parts_prefix(self, shard_id: int, kind: str = "") -> str:
+        base = f"{self.root}/checkpoints/{_shard_name(shard_id)}/"
+        return f"{base}{kind}/" if kind else base
+
+    def done_key(self, shard_id: int) -> str:
+        return f"{self.root}/done/{_shard_name(shard_id)}.json"
+
+    # --- plan and prompts ----------------------------------------------------------------------------
+
+    def _put_same(self, key: str, data: bytes | Path, sha256: str) -> None:
+        """Create key, or accept it when it already holds these bytes (re-runs); anything else is a conflict."""
+        try:
+            self.store.put_if_absent(key, data, sha256=sha256)
+        except ObjectExists as exc:
+            if exc.existing_sha256 != sha256:
+                raise RunStateConflict(
+                    f"{self.store.uri(key)} holds other content (sha256 {exc.existing_sha256}, this run's is "
+                    f"{sha256}): namespace {self.namespace!r} was planned from different prompts or settings; "
+                    "use a new namespace"
+                ) from None
+
+    def publish_plan(self, plan: ShardPlan, layout: RunLayout) -> None:
+        """Upload the shard prompt files, then the plan (last: its presence means every shard file is there)."""
+        for entry in plan.shards:
+            self._put_same(self.prompts_key(entry.shard_id), layout.shard_prompts(entry.shard_id), entry.sha256)
+        body = plan_manifest_path(layout).read_bytes()
+        self._put_same(self.plan_key, body, hashlib.sha256(body).hexdigest())
+
+    def fetch_plan(self) -> ShardPlan:
+        """The plan the parent published for this namespace."""
+        if self.store.head(self.plan_key) is None:
+            raise ShardExchangeError(f"{self.store.uri(self.plan_key)} is missing: the parent flow plans first")
+        return ShardPlan.model_validate_json(self.store.get_bytes(self.plan_key))
+
+    def fetch_prompts(self, plan: ShardPlan, shard_id: int, layout: RunLayout) -> Path:
+        """The shard's prompts file in the local layout (downloaded unless it already matches the plan)."""
+        entry = next(s for s in plan.shards if s.shard_id == shard_id)
+        path = layout.shard_prompts(shard_id)
+        if path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == entry.sha256:
+            return path
+        data = self.store.get_bytes(self.prompts_key(shard_id))
+        if hashlib.sha256(data).hexdigest() != entry.sha256:
+            raise ShardExchangeError(f"{self.store.uri(self.prompts_key(shard_id))} does not match the plan")
+        _write_atomic(path, data.decode("utf-8").splitlines())
+        return path
+
+    # --- claims --------------------------------------------------------------------------------------
+
+    def claims(self, shard_id: int) -> list[Claim]:
+        """Every claim of a shard, oldest first."""
+        keys = sorted(o.key for o in self.store.list(self.claims_prefix(shard_id)))
+        return [Claim.model_validate_json(self.store.get_bytes(k)) for k in keys]
+
+    def latest_claim(self, shard_id: int) -> Claim | None:
+        """The shard's highest-numbered claim."""
+        keys = sorted(o.key for o in self.store.list(self.claims_prefix(shard_id)))
+        return Claim.model_validate_json(self.store.get_bytes(keys[-1])) if keys else None
+
+    def _write_claim(self, shard_id: int, seq: int) -> Lease | None:
+        expires = self.clock() + self.lease_s
+        claim = Claim(shard_id=shard_id, seq=seq, box=self.box, owner=self.owner, expires_at=expires)
+        try:
+            self.store.put_if_absent(f"{self.claims_prefix(shard_id)}{seq:06d}.json", claim.model_dump_json().encode())
+        except ObjectExists:
+            return None  # another box wrote this number first
+        return Lease(shard_id=shard_id, seq=seq, expires_at=expires)
+
+    def try_claim(self, shard_id: int) -> Lease | None:
+        """Claim a shard that is not done and unclaimed, lease-expired or already ours; None if someone holds it."""
+        if self.store.head(self.done_key(shard_id)) is not None:
+            return None
+        latest = self.latest_claim(shard_id)
+        if latest is not None and latest.owner != self.owner and latest.expires_at > self.clock():
+            return None
+        if latest is not None and latest.owner != self.owner:
+            logger.warning(
+                "shard %d: taking over from box %s (lease expired %.0f s ago)",
+                shard_id,
+                latest.box,
+                self.clock() - latest.expires_at,
+            )
+        return self._write_claim(shard_id, latest.seq + 1 if latest else 1)
+
+    def renew(self, lease: Lease) -> bool:
+        """Extend a lease with the next claim number; False (and lease.lost) when another box took the shard."""
+        renewed = self._write_claim(lease.shard_id, lease.seq + 1)
+        if renewed is None:
+            lease.lost = True
+            logger.warning("shard %d: lease lost to another box; its parts are deduped when collected", lease.shard_id)
+            return False
+        lease.seq, lease.expires_at = renewed.seq, renewed.expires_at
+        return True
+
+    def done_ids(self) -> set[int]:
+        """Shards with a done marker."""
+        prefix = f"{self.root}/done/"
+        return {int(o.key[len(prefix) :].removeprefix("shard-").removesuffix(".json")) for o in self.store.list(prefix)}
+
+    def claim_next(self, shard_ids: Iterable[int], exclude: set[int]) -> Lease | None:
+        """The first shard (in order) this box can claim now, claimed; None when every open shard is held."""
+        done = self.done_ids()
+        for shard_id in shard_ids:
+            if shard_id in done or shard_id in exclude:
+                continue
+            lease = self.try_claim(shard_id)
+            if lease is not None:
+                return lease
+        return None
+
+    # --- checkpoint parts ----------------------------------------------------------------------------
+
+    def read_rows(self, shard_id: int) -> ShardRows:
+        """Every row of the shard's parts, deduped by request_key (completion over reject, then first part)."""
+        merged = ShardRows()
+        parts: dict[str, list[str]] = {kind: [] for kind in _KINDS}
+        for kind in _KINDS:
+            parts[kind] = sorted(o.key for o in self.store.list(self.parts_prefix(shard_id, kind)))
+        for kind in _KINDS:
+            target = merged.completions if kind == "completions" else merged.rejects
+            for key in parts[kind]:
+                box = _part_box(key)
+                for line in self.store.get_bytes(key).decode("utf-8").splitlines():
+                    if not line.strip():
+                        continue
+                    request = _request_key(line, self.store.uri(key))
+                    if request in merged.completions or request in target:
+                        merged.duplicates += 1
+                        continue
+                    target[request] = line
+                    merged.rows_by_box[box] += 1
+        # A request completed by one box and rejected by another (both ran it after a lease takeover): keep one.
+        for request in set(merged.rejects) & set(merged.completions):
+            del merged.rejects[request]
+            merged.duplicates += 1
+        return merged
+
+    def restore_checkpoint(self, shard_id: int, layout: RunLayout) -> set[str]:
+        """Merge the shard's S3 parts into its local checkpoint (keeping local-only rows); return the keys in S3.
+
+        Afterwards generate_shard's ledger skips every request any box already finished.
+        """
+        remote = self.read_rows(shard_id)
+        for kind, path in (
+            ("completions", layout.shard_completions(shard_id)),
+            ("rejects", layout.shard_rejects(shard_id)),
+        ):
+            rows = dict(remote.completions if kind == "completions" else remote.rejects)
+            for line in _local_rows(path):
+                request = _request_key(line, str(path))
+                if request not in remote.completions and request not in rows:
+                    rows[request] = line
+            if kind == "rejects":
+                # A local reject for a request another box completed: the completion wins.
+                for request in list(rows):
+                    if request in remote.completions:
+                        del rows[request]
+            _write_atomic(path, rows.values())
+        return remote.keys
+
+    def upload_part(self, shard_id: int, kind: str, lines: list[str], seq: int) -> str:
+        """Upload checkpoint rows as a new immutable part; returns its key."""
+        key = f"{self.parts_prefix(shard_id, kind)}part-{self.box}-{self.owner}-{seq:06d}.jsonl"
+        self.store.put_if_absent(key, ("\n".join(lines) + "\n").encode("utf-8"))
+        return key
+
+    def mark_done(self, result: ShardResult, engine_version: str | None) -> bool:
+        """Write the shard's done marker once S3 holds all its requests; False when another box was first."""
+        remote = self.read_rows(result.shard_id)
+        if len(remote.keys) != result.n_prompts:
+            raise IncompleteShard(
+                f"shard {result.shard_id}: S3 parts hold {len(remote.keys)} of {result.n_prompts} requests "
+                "after the final upload; not marking it done"
+            )
+        body = {
+            "shard_id": result.shard_id,
+            "box": self.box,
+            "owner": self.owner,
+            "n_prompts": result.n_prompts,
+            "n_completed": len(remote.completions),
+            "n_rejected": len(remote.rejects),
+            "engine_version": engine_version,
+            "finished_at": self.clock(),
+        }
+        try:
+            self.store.put_if_absent(self.done_key(result.shard_id), json.dumps(body, sort_keys=True).encode())
+        except ObjectExists:
+            logger.info("shard %d: already marked done by another box", result.shard_id)
+            return False
+        return True
+
+    def done_marker(self, shard_id: int) -> dict[str, object]:
+        """The shard's done marker."""
+        data: dict[str, object] = json.loads(self.store.get_bytes(self.done_key(shard_id)))
+        return data
+
+    # --- collecting (parent) -------------------------------------------------------------------------
+
+    def collect_shard(self, shard_id: int, layout: RunLayout, expected_keys: set[str]) -> CollectedShard:
+        """Write the shard's merged rows into the local checkpoint files; they must hold exactly expected_keys."""
+        if self.store.head(self.done_key(shard_id)) is None:
+            raise IncompleteShard(f"shard {shard_id} has no done marker at {self.store.uri(self.done_key(shard_id))}")
+        rows = self.read_rows(shard_id)
+        missing, extra = expected_keys - rows.keys, rows.keys - expected_keys
+        if missing or extra:
+            raise IncompleteShard(
+                f"shard {shard_id}: parts hold {len(rows.keys)} requests; {len(missing)} of the shard's "
+                f"{len(expected_keys)} are missing and {len(extra)} do not belong to it (spec or model changed?)"
+            )
+        completions_path, rejects_path = layout.shard_completions(shard_id), layout.shard_rejects(shard_id)
+        _write_atomic(completions_path, rows.completions.values())
+        _write_atomic(rejects_path, rows.rejects.values())
+        data = completions_path.read_bytes()
+        tokens = sum(int(json.loads(line)["completion_tokens"]) for line in rows.completions.values())
+        result = ShardResult(
+            shard_id=shard_id,
+            completions_path=str(completions_path),
+            rejects_path=str(rejects_path),
+            n_prompts=len(expected_keys),
+            n_completed=len(rows.completions),
+            n_rejected=len(rows.rejects),
+            n_sent=0,
+            output_tokens=tokens,
+            completions_sha256=hashlib.sha256(data).hexdigest(),
+        )
+        return CollectedShard(result=result, duplicates_dropped=rows.duplicates, rows_by_box=dict(rows.rows_by_box))
+
+
+class CheckpointSync:
+    """Background thread for one claimed shard: uploads new checkpoint rows as parts and renews the lease.
+
+    Only complete lines are uploaded, and only rows whose request_key S3 does not hold yet.
+    """
+
+    def __init__(
+        self,
+        exchange: ShardExchange,
+        lease: Lease,
+        layout: RunLayout,
+        known_keys: set[str],
+        interval_s: float,
+    ) -> None:
+        self.exchange = exchange
+        self.lease = lease
+        self.interval_s = interval_s
+        self.known = set(known_keys)
+        self.paths = {
+            "completions": layout.shard_completions(lease.shard_id),
+            "rejects": layout.shard_rejects(lease.shard_id),
+        }
+        self.offsets = dict.fromkeys(_KINDS, 0)
+        self.seq = 0
+        self.uploaded_rows = 0
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"sync-shard-{lease.shard_id}", daemon=True)
+
+    def __enter__(self) -> CheckpointSync:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.sync_once()
+                if not self.lease.lost and self.exchange.clock() > self.lease.expires_at - self.exchange.lease_s / 2:
+                    self.exchange.renew(self.lease)
+            except Exception as exc:  # keep going: the next tick retries; the final sync raises
+                self.error = exc
+                logger.warning("shard %d: checkpoint sync failed, retrying: %s", self.lease.shard_id, exc)
+
+    def sync_once(self) -> int:
+        """Upload rows appended since the last call; returns how many rows went up."""
+        with self._lock:
+            sent = 0
+            for kind, path in self.paths.items():
+                if not path.exists():
+                    continue
+                with open(path, "rb") as f:
+                    f.seek(self.offsets[kind])
+                    data = f.read()
+                end = data.rfind(b"\n") + 1  # a line still being written waits for the next call
+                if end == 0:
+                    continue
+                lines = []
+                for line in data[:end].decode("utf-8").splitlines():
+                    if line.strip() and (request := _request_key(line, str(path))) not in self.known:
+                        lines.append(line)
+                        self.known.add(request)
+                if lines:
+                    self.seq += 1
+                    try:
+                        self.exchange.upload_part(self.lease.shard_id, kind, lines, self.seq)
+                    except BaseException:
+                        self.known.difference_update(_request_key(line, str(path)) for line in lines)
+                        raise
+                    sent += len(lines)
+                self.offsets[kind] += end
+            self.uploaded_rows += sent
+            return sent

@@ -1,0 +1,369 @@
+"""Real Prefect processes for end-to-end tests: a server, `infra/deploy.sh`, a process worker, a REST client.
+
+Everything runs as the users run it: `prefect server start` with its settings in the environment
+(PREFECT_HOME in a temp dir, PREFECT_SERVER_API_PORT on a free port, set before start so the UI
+points at the right API), `infra/deploy.sh` (work pool + `prefect deploy --all --no-prompt` from the
+repo root) and `infra/prefect-worker.sh` (`prefect worker start`, stopped with SIGINT).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from datagen.localstack import LocalS3
+
+__all__ = [
+    "POOL",
+    "REPO_ROOT",
+    "TERMINAL_STATES",
+    "PrefectApi",
+    "PrefectServer",
+    "free_port",
+    "prefect_server",
+    "prefect_worker",
+    "run_deploy",
+    "stop_process",
+    "worker_env",
+    "write_prompts",
+]
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+POOL = "gpu-box-1"  # the work pool prefect.yaml names
+TERMINAL_STATES = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+_VENV_BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    """A TCP port that was free on loopback a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _base_env() -> dict[str, str]:
+    # The venv's bin first, so bash scripts and the worker's flow-run subprocesses use this interpreter;
+    # no PREFECT_*/DATAGEN_* from the caller's shell leak into the processes under test.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "DATAGEN_"))}
+    env["PATH"] = f"{_VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    return env
+
+
+def stop_process(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
+    """Send `sig` to a process (and its group), wait, and kill it if it is still there after `timeout`."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+@dataclass
+class PrefectServer:
+    """A running `prefect server start`: where it listens and where its state lives."""
+
+    port: int
+    home: Path
+    log_path: Path
+    process: subprocess.Popen[bytes]
+
+    @property
+    def url(self) -> str:
+        """Base URL (the UI is under /v2/)."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def api_url(self) -> str:
+        """The PREFECT_API_URL clients and workers use."""
+        return f"{self.url}/api"
+
+    def client_env(self, home: Path, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """Environment for a CLI or worker process talking to this server."""
+        home.mkdir(parents=True, exist_ok=True)
+        env = _base_env()
+        env.update({"PREFECT_API_URL": self.api_url, "PREFECT_HOME": str(home)})
+        env.update(extra or {})
+        return env
+
+    def log_tail(self, n: int = 60) -> str:
+        """Last lines of the server log, for failure messages."""
+        return _tail(self.log_path, n)
+
+
+def _tail(path: Path, n: int) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except FileNotFoundError:
+        return f"({path} missing)"
+
+
+class _PortTaken(Exception):
+    """The server exited because its port was taken after free_port() chose it."""
+
+
+def _launch_server(state_dir: Path, extra_env: Mapping[str, str] | None) -> PrefectServer:
+    port = free_port()
+    env = _base_env()
+    env.update(
+        {
+            "PREFECT_HOME": str(state_dir / "server-home"),
+            # The UI computes its API URL from these settings, not from --port: set before start.
+            "PREFECT_SERVER_API_HOST": "127.0.0.1",
+            "PREFECT_SERVER_API_PORT": str(port),
+        }
+    )
+    env.update(extra_env or {})
+    log_path = state_dir / "server.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [str(_VENV_BIN / "prefect"), "server", "start"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=state_dir,
+            start_new_session=True,
+        )
+    return PrefectServer(port=port, home=state_dir / "server-home", log_path=log_path, process=proc)
+
+
+def _wait_healthy(server: PrefectServer, startup_timeout: float) -> None:
+    proc = server.process
+    deadline = time.monotonic() + startup_timeout
+    while True:
+        if proc.poll() is not None:
+            if "address already in use" in server.log_tail().lower():
+                raise _PortTaken
+            raise RuntimeError(f"prefect server exited with {proc.returncode}:\n{server.log_tail()}")
+        try:
+            if httpx.get(f"{server.api_url}/health", timeout=2).json() is True:
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"prefect server not healthy after {startup_timeout:.0f} s:\n{server.log_tail()}")
+        time.sleep(0.25)
+
+
+@contextmanager
+def prefect_server(
+    state_dir: Path, extra_env: Mapping[str, str] | None = None, startup_timeout: float = 120.0
+) -> Iterator[PrefectServer]:
+    """Start a real Prefect server (SQLite under `state_dir`) on a free port; stop it on exit."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    # free_port() releases the port before the server binds it: another process can take it in between,
+    # so a start that dies with "address already in use" is retried on a new port.
+    for attempt in range(3):
+        server = _launch_server(state_dir, extra_env)
+        proc = server.process
+        try:
+            _wait_healthy(server, startup_timeout)
+        except _PortTaken:
+            stop_process(proc, signal.SIGTERM)
+            if attempt == 2:
+                raise RuntimeError(f"prefect server could not bind a port:\n{server.log_tail()}") from None
+            continue
+        except BaseException:
+            stop_process(proc, signal.SIGTERM)
+            raise
+        break
+    try:
+        yield server
+    finally:
+        stop_process(proc, signal.SIGTERM)
+
+
+def run_deploy(server: PrefectServer, home: Path, extra_env: Mapping[str, str] | None = None) -> str:
+    """Run `infra/deploy.sh` from the repo root against `server`; return its output (raises on failure)."""
+    env = server.client_env(home, extra_env)
+    result = subprocess.run(
+        ["bash", str(REPO_ROOT / "infra" / "deploy.sh")],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = result.stdout + result.stderr
+    if result.returncode != 0:
+        raise RuntimeError(f"infra/deploy.sh exited with {result.returncode}:\n{output}")
+    return output
+
+
+@contextmanager
+def prefect_worker(
+    server: PrefectServer, home: Path, log_path: Path, extra_env: Mapping[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run `infra/prefect-worker.sh` (a process worker on the pool); stop it with SIGINT on exit."""
+    env = server.client_env(home, {"DATAGEN_HOME": str(REPO_ROOT), "PREFECT_WORKER_QUERY_SECONDS": "1"})
+    env.update(extra_env or {})
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            ["bash", str(REPO_ROOT / "infra" / "prefect-worker.sh")],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=home,
+            start_new_session=True,
+        )
+    try:
+        yield proc
+    finally:
+        # SIGINT is how the worker is meant to be stopped (systemd KillSignal=SIGINT); its flow-run
+        # subprocesses are in the same process group and get it too.
+        stop_process(proc, signal.SIGINT, timeout=30)
+
+
+def write_prompts(path: Path, prompts: list[str]) -> Path:
+    """A tiny OpenAI-messages JSONL prompt set."""
+    rows = [{"messages": [{"role": "user", "content": text}], "category": "test"} for text in prompts]
+    lines = [json.dumps(row) for row in rows]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def worker_env(s3: LocalS3, s3_prefix: str, work_dir: Path, length_mean: int, length_max: int) -> dict[str, str]:
+    """The worker's DATAGEN_* settings: stand-in servers on this CPU box, the local S3 server, short outputs."""
+    return {
+        **s3.env(),
+        "DATAGEN_S3_PREFIX": s3_prefix,
+        "DATAGEN_ENGINE": "standin",
+        "DATAGEN_NUM_SERVERS": "1",
+        "DATAGEN_SKIP_GPU_CHECKS": "true",
+        "DATAGEN_REQUIRE_TMPFS_MODEL": "false",
+        "DATAGEN_SERVER_START_TIMEOUT_S": "120",
+        "DATAGEN_WORK_DIR": str(work_dir),
+        "DATAGEN_STANDIN_LOAD_S": "0",
+        "DATAGEN_STANDIN_WARMUP_S": "0",
+        "DATAGEN_STANDIN_LENGTH_MEAN": str(length_mean),
+        "DATAGEN_STANDIN_LENGTH_MAX": str(length_max),
+    }
+
+
+class PrefectApi:
+    """The few REST calls the tests (and users' scripts) make against a Prefect server."""
+
+    def __init__(self, api_url: str) -> None:
+        self.client = httpx.Client(base_url=api_url, timeout=30)
+
+    def close(self) -> None:
+        """Close the HTTP connection pool."""
+        self.client.close()
+
+    def deployment(self, flow_name: str, deployment_name: str) -> dict[str, Any]:
+        """The deployment record (GET /deployments/name/{flow}/{deployment})."""
+        response = self.client.get(f"/deployments/name/{flow_name}/{deployment_name}")
+        response.raise_for_status()
+        data: dict[str, Any] = response.json()
+        return data
+
+    def create_flow_run(
+        self,
+        deployment_id: str,
+        parameters: Mapping[str, Any],
+        job_variables: Mapping[str, Any] | None = None,
+        name: str | None = None,
+    ) -> httpx.Response:
+        """POST /deployments/{id}/create_flow_run; the raw response (the caller checks the status)."""
+        # The idempotency key makes the retry below safe: a repeated POST returns the same flow run.
+        body: dict[str, Any] = {"parameters": dict(parameters), "idempotency_key": uuid.uuid4().hex}
+        if job_variables:
+            body["job_variables"] = dict(job_variables)
+        if name:
+            body["name"] = name
+        for attempt in range(5):
+            response = self.client.post(f"/deployments/{deployment_id}/create_flow_run", json=body)
+            # SQLite busy ("database is locked") comes back as 503; Prefect's own client retries it too.
+            if response.status_code != 503:
+                break
+            time.sleep(0.5 * (attempt + 1))
+        return response
+
+    def flow_run(self, flow_run_id: str) -> dict[str, Any]:
+        """GET /flow_runs/{id}."""
+        response = self.client.get(f"/flow_runs/{flow_run_id}")
+        response.raise_for_status()
+        data: dict[str, Any] = response.json()
+        return data
+
+    def wait_for_flow_run(self, flow_run_id: str, timeout: float, diagnostics: Path | None = None) -> dict[str, Any]:
+        """Poll until the flow run is in a terminal state; raise (with its logs) if it isn't within `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            run = self.flow_run(flow_run_id)
+            if run["state_type"] in TERMINAL_STATES:
+                return run
+            if time.monotonic() > deadline:
+                extra = f"\nworker log:\n{_tail(diagnostics, 80)}" if diagnostics else ""
+                raise TimeoutError(
+                    f"flow run {flow_run_id} still {run['state_type']} ({run['state_name']}) after {timeout:.0f} s\n"
+                    f"logs:\n{self.log_text(flow_run_id)}{extra}"
+                )
+            time.sleep(1.0)
+
+    def _filter(self, path: str, body: Mapping[str, Any]) -> list[dict[str, Any]]:
+        response = self.client.post(path, json=dict(body))
+        response.raise_for_status()
+        data: list[dict[str, Any]] = response.json()
+        return data
+
+    def flow_runs(self, deployment_id: str) -> list[dict[str, Any]]:
+        """Flow runs of a deployment (POST /flow_runs/filter)."""
+        return self._filter("/flow_runs/filter", {"deployments": {"id": {"any_": [deployment_id]}}})
+
+    def wait_for_scheduled_runs(self, deployment_id: str, timeout: float) -> list[dict[str, Any]]:
+        """Poll until the server's scheduler has created SCHEDULED runs for a deployment; return them."""
+        deadline = time.monotonic() + timeout
+        while True:
+            runs = [r for r in self.flow_runs(deployment_id) if r["state_type"] == "SCHEDULED"]
+            if runs or time.monotonic() > deadline:
+                return runs
+            time.sleep(1.0)
+
+    def artifacts(self, flow_run_id: str) -> list[dict[str, Any]]:
+        """Artifacts created by a flow run and its tasks (POST /artifacts/filter)."""
+        return self._filter("/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})
+
+    def task_runs(self, flow_run_id: str) -> list[dict[str, Any]]:
+        """Task runs of a flow run (POST /task_runs/filter)."""
+        return self._filter("/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})
+
+    def logs(self, flow_run_id: str) -> list[dict[str, Any]]:
+        """Log records of a flow run and its tasks, oldest first (POST /logs/filter)."""
+        return self._filter(
+            "/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "sort": "TIMESTAMP_ASC", "limit": 200}
+        )
+
+    def log_text(self, flow_run_id: str) -> str:
+        """A flow run's log messages as one text."""
+        return "\n".join(str(record["message"]) for record in self.logs(flow_run_id))
+
+    def wait_for_log(self, flow_run_id: str, text: str, timeout: float = 60.0) -> str:
+        """The flow run's log text once it contains `text` (workers ship logs in batches, after the state)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            logs = self.log_text(flow_run_id)
+            if text in logs or time.monotonic() > deadline:
+                return logs
+            time.sleep(1.0)

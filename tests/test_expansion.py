@@ -1,0 +1,157 @@
+"""Scheduled expansion against the real local S3 and stand-in servers: new prompts only, new namespace, old intact."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from prefect.testing.utilities import prefect_test_harness
+
+from datagen import catalog
+from datagen.localstack import LocalS3
+from datagen.model_fixture import ensure_model_dir
+from datagen.runspec import PromptSource, QualityGate, RunSpec, SamplingSpec
+from datagen.storage import ObjectStore
+from flows.expand_dataset import expand_dataset
+from tasks.publishing import publish
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def prefect_api() -> Iterator[None]:
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture
+def pipeline_env(monkeypatch: pytest.MonkeyPatch, local_s3: LocalS3, tmp_path: Path) -> dict[str, str]:
+    env = {
+        **local_s3.env(),
+        "DATAGEN_S3_PREFIX": f"expansion-{tmp_path.name}/",
+        "DATAGEN_ENGINE": "standin",
+        "DATAGEN_NUM_SERVERS": "2",
+        "DATAGEN_BASE_PORT": "0",
+        "DATAGEN_SKIP_GPU_CHECKS": "true",
+        "DATAGEN_REQUIRE_TMPFS_MODEL": "false",
+        "DATAGEN_WORK_DIR": str(tmp_path / "work"),
+        "DATAGEN_SERVER_START_TIMEOUT_S": "120",
+        "DATAGEN_STANDIN_LENGTH_MEAN": "120",
+        "DATAGEN_STANDIN_LENGTH_MAX": "400",
+    }
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return env
+
+
+def _write(path: Path, label: str, n: int, start: int = 0) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        for i in range(start, start + n):
+            row = {"messages": [{"role": "user", "content": f"[{label}] Explain idea {i} briefly."}], "category": label}
+            f.write(json.dumps(row) + "\n")
+
+
+def _spec(sources: list[Path], **extra: object) -> RunSpec:
+    return RunSpec.model_validate(
+        {
+            "sources": [PromptSource(path=str(p), category_field="category") for p in sources],
+            "model_path": str(ensure_model_dir()),
+            "namespace": "auto",
+            "shard_size": 6,
+            "context_length": 8192,
+            "sampling": SamplingSpec(max_new_tokens=1024),
+            "quality_gate": QualityGate(max_reject_rate=0.5, min_median_completion_tokens=16),
+            **extra,
+        }
+    )
+
+
+def _snapshot(store: ObjectStore, prefix: str) -> dict[str, str]:
+    return {o.key: hashlib.sha256(store.get_bytes(o.key)).hexdigest() for o in store.list(prefix)}
+
+
+def _published_ids(store: ObjectStore, namespace: str) -> set[str]:
+    ids: set[str] = set()
+    for kind in ("data/", "rejects/"):
+        for o in store.list(f"{namespace}/{kind}"):
+            table = pq.read_table(io.BytesIO(store.get_bytes(o.key)), columns=["prompt_id"])
+            ids |= {p for p in table.column("prompt_id").to_pylist() if p is not None}
+    return ids
+
+
+def test_two_expansions_publish_only_new_prompts_into_new_namespaces(
+    prefect_api: None, pipeline_env: dict[str, str], local_s3: LocalS3, tmp_path: Path
+) -> None:
+    store = ObjectStore.from_settings(local_s3.settings(s3_prefix=pipeline_env["DATAGEN_S3_PREFIX"]))
+    chat_file, code_file = tmp_path / "chat.jsonl", tmp_path / "code.jsonl"
+    _write(chat_file, "chat", 10)
+
+    first = expand_dataset(_spec([chat_file]))
+    assert first["namespace"] == "expansion_v1" and first["uri"] == store.uri("expansion_v1/")
+    v1_ids = _published_ids(store, "expansion_v1")
+    assert len(v1_ids) == 10
+    assert catalog.catalog_namespaces(store) == ["expansion_v1"]
+    assert catalog.published_prompt_ids(store) == v1_ids
+    before = _snapshot(store, "expansion_v1/")
+
+    # New rows in the old source and a new source; a target caps the new source at 5 of its 12 prompts.
+    _write(chat_file, "chat", 4, start=10)
+    _write(code_file, "code", 12)
+    second = expand_dataset(_spec([chat_file, code_file], source_targets={"code": 5}))
+    assert second["namespace"] == "expansion_v2"
+    v2_ids = _published_ids(store, "expansion_v2")
+    assert not v1_ids & v2_ids
+    assert len(v2_ids) == 4 + 5 == second["prompts"]
+    part = pq.read_table(io.BytesIO(store.get_bytes(catalog.part_key("expansion_v2"))))
+    assert set(part.column("prompt_id").to_pylist()) == v2_ids
+    assert sorted(part.column("source").to_pylist()).count("code") == 5
+    assert _snapshot(store, "expansion_v1/") == before  # the first namespace is byte-for-byte untouched
+    manifest = json.loads(store.get_bytes("expansion_v2/manifest.json"))
+    assert manifest["lineage"]["run_spec"]["namespace"] == "expansion_v2"
+
+    # Nothing new that the targets allow: the run stops after planning and creates no namespace.
+    third = expand_dataset(_spec([chat_file, code_file], source_targets={"code": 0}))
+    assert third["prompts"] == 0 and third["uri"] is None
+    assert not store.exists(f"{third['namespace']}/")
+    assert _snapshot(store, "expansion_v1/") == before
+
+
+def test_catalog_backfills_a_namespace_published_without_its_part(s3_store: ObjectStore, tmp_path: Path) -> None:
+    # A namespace published the way a crash right after its manifest leaves it: data, manifest, no catalog part.
+    staging = tmp_path / "dataset"
+    (staging / "data").mkdir(parents=True)
+    (staging / "rejects").mkdir()
+    pq.write_table(
+        pa.table({"prompt_id": ["a1", "b2"], "source": ["chat", "code"], "category": ["x", None]}),
+        staging / "data" / "train-00000-of-00001.parquet",
+    )
+    pq.write_table(
+        pa.table({"prompt_id": ["c3", None], "source": ["chat", "chat"], "stage": ["validate", "load"]}),
+        staging / "rejects" / "rejects-00000-of-00001.parquet",
+    )
+    publish(staging, "expansion_v1", s3_store, {})
+    before = _snapshot(s3_store, "expansion_v1/")
+    assert catalog.catalog_namespaces(s3_store) == []
+
+    assert catalog.next_expansion_namespace(s3_store) == "expansion_v2"
+    part = pq.read_table(io.BytesIO(s3_store.get_bytes(catalog.part_key("expansion_v1")))).to_pylist()
+    assert part == [
+        {"prompt_id": "a1", "source": "chat", "category": "x", "status": "data"},
+        {"prompt_id": "b2", "source": "code", "category": None, "status": "data"},
+        {"prompt_id": "c3", "source": "chat", "category": None, "status": "rejected"},
+    ]
+    assert catalog.published_prompt_ids(s3_store) == {"a1", "b2", "c3"}
+    assert catalog.published_prompt_ids(s3_store, exclude={"expansion_v1"}) == set()
+    assert catalog.backfill(s3_store, "expansion_v1") is False  # already catalogued: nothing written again
+    # Writing the part again from the same files is accepted; from different files it is refused, not replaced.
+    assert catalog.write_part(s3_store, "expansion_v1", staging) == 3
+    (staging / "data" / "train-00000-of-00001.parquet").unlink()
+    with pytest.raises(catalog.CatalogError, match="not replaced"):
+        catalog.write_part(s3_store, "expansion_v1", staging)
+    assert _snapshot(s3_store, "expansion_v1/") == before

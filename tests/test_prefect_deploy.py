@@ -1,0 +1,281 @@
+"""Deploy, trigger, schedule and inspect datagen's flows through a real Prefect server and a process worker.
+
+One server, one `infra/deploy.sh`, one worker and one local S3 server for the whole module; runs are
+triggered through the REST API exactly as the UI and users' scripts do, and inspected through it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from datagen.localstack import LocalS3
+from datagen.model_fixture import ensure_model_dir
+from datagen.storage import ObjectStore
+from tests.prefect_fixtures import (
+    POOL,
+    PrefectApi,
+    PrefectServer,
+    free_port,
+    prefect_server,
+    prefect_worker,
+    run_deploy,
+    worker_env,
+    write_prompts,
+)
+
+pytestmark = pytest.mark.slow
+
+FLOW = "expand-dataset"
+RUN_TIMEOUT_S = 300.0  # a hang guard, not a speed requirement
+EXPECTED_ARTIFACTS = {
+    "environment-report",
+    "generation-progress",
+    "validation-report",
+    "published-dataset",
+    "run-report",
+}
+
+PROMPTS = [
+    "Explain why the sky is blue in two sentences.",
+    "Write a haiku about version control.",
+    "What is the derivative of x^3 + 2x?",
+    "Name three uses of a hash map.",
+    "Summarise the plot of Hamlet briefly.",
+    "How do I reverse a list in Python?",
+]
+
+
+@dataclass
+class Stack:
+    """What the tests talk to: the Prefect server and its API, the local S3 server, inputs for a run."""
+
+    server: PrefectServer
+    api: PrefectApi
+    store: ObjectStore
+    worker_log: Path
+    prompts: Path
+    model_dir: Path
+
+
+def fast_spec(stack: Stack, namespace: str, **overrides: Any) -> dict[str, Any]:
+    """A run spec that finishes in seconds on the stand-in: 6 prompts, 2 shards, short outputs, relaxed gate."""
+    spec: dict[str, Any] = {
+        "sources": [{"path": str(stack.prompts)}],
+        "model_path": str(stack.model_dir),
+        "namespace": namespace,
+        "shard_size": 3,
+        "context_length": 4096,
+        "sampling": {"max_new_tokens": 64},
+        "validation": {"min_answer_tokens": 0, "reject_truncated": False},
+        "quality_gate": {
+            "max_reject_rate": 1.0,
+            "max_short_share": 1.0,
+            "min_median_completion_tokens": 0,
+        },
+    }
+    spec.update(overrides)
+    return spec
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, local_s3: LocalS3) -> Iterator[Stack]:
+    """Prefect server + `infra/deploy.sh` + one process worker (on the session's S3 server), stopped at the end."""
+    root = tmp_path_factory.mktemp("prefect-e2e")
+    model_dir = ensure_model_dir()
+    prompts = write_prompts(root / "prompts.jsonl", PROMPTS)
+    s3_prefix = f"{root.name}/"
+    store = ObjectStore.from_settings(local_s3.settings(s3_prefix=s3_prefix))
+    with ExitStack() as stack:
+        # The scheduler looks for active schedules every 60 s by default; the schedule test needs less.
+        server = stack.enter_context(
+            prefect_server(root / "prefect", {"PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2"})
+        )
+        # Deploy from the repo root, as a user would; DATAGEN_HOME here must not be baked into the deployment.
+        run_deploy(server, root / "cli-home", {"DATAGEN_HOME": "/nonexistent/deploy-machine-path"})
+        worker_log = root / "worker.log"
+        stack.enter_context(
+            prefect_worker(
+                server,
+                root / "worker-home",
+                worker_log,
+                worker_env(local_s3, s3_prefix, root / "work", length_mean=24, length_max=48),
+            )
+        )
+        api = PrefectApi(server.api_url)
+        stack.callback(api.close)
+        yield Stack(server, api, store, worker_log, prompts, model_dir)
+
+
+def _deployment_id(stack: Stack, name: str, flow: str = FLOW) -> str:
+    return str(stack.api.deployment(flow, name)["id"])
+
+
+def _start(stack: Stack, deployment: str, parameters: dict[str, Any], flow: str = FLOW, **env: str) -> str:
+    # Per-run job variables are merged into the worker's environment for that flow run only. A fresh
+    # base port per run: servers of a run that went wrong can never collide with the next run's.
+    job_env = {"DATAGEN_BASE_PORT": str(free_port()), **env}
+    response = stack.api.create_flow_run(
+        _deployment_id(stack, deployment, flow), parameters, job_variables={"env": job_env}
+    )
+    assert response.status_code == 201, response.text
+    return str(response.json()["id"])
+
+
+def _failure_report(stack: Stack, flow_run_id: str, run: dict[str, Any]) -> str:
+    return (
+        f"state {run['state_type']}: {run['state'] and run['state']['message']}\n"
+        f"logs:\n{stack.api.log_text(flow_run_id)}"
+    )
+
+
+def test_deploy_registers_every_deployment_on_the_process_pool(stack: Stack) -> None:
+    pool = stack.api.client.get(f"/work_pools/{POOL}")
+    assert pool.status_code == 200, pool.text
+    assert pool.json()["type"] == "process"
+
+    manual = stack.api.deployment(FLOW, "manual")
+    scheduled = stack.api.deployment(FLOW, "scheduled-expansion")
+    check = stack.api.deployment("check-environment", "environment-check")
+    for deployment in (manual, scheduled, check):
+        assert deployment["work_pool_name"] == POOL
+        assert deployment["enforce_parameter_schema"] is True
+        # The worker's own DATAGEN_HOME is read when a run starts (not the deploying machine's).
+        assert deployment["pull_steps"] == [
+            {"prefect.deployments.steps.set_working_directory": {"directory": "{{ $DATAGEN_HOME }}"}}
+        ]
+    # The UI form is rendered from this schema: the run spec is one nested object parameter.
+    spec_schema = manual["parameter_openapi_schema"]["properties"]["spec"]
+    assert "RunSpec" in json.dumps(spec_schema) or "$ref" in json.dumps(spec_schema)
+
+    (schedule,) = scheduled["schedules"]
+    assert schedule["active"] is False
+    assert schedule["schedule"]["cron"] == "0 2 * * *"
+    assert schedule["schedule"]["timezone"] == "UTC"
+    assert manual["schedules"] == []
+
+
+def test_scheduled_expansion_creates_runs_once_its_schedule_is_turned_on(stack: Stack) -> None:
+    deployment = stack.api.deployment(FLOW, "scheduled-expansion")
+    (schedule,) = deployment["schedules"]
+    path = f"/deployments/{deployment['id']}/schedules/{schedule['id']}"
+    response = stack.api.client.patch(path, json={"active": True})
+    assert response.status_code == 204, response.text
+    try:
+        # Turning a schedule on is what the UI toggle does; the server then schedules the next runs.
+        runs = stack.api.wait_for_scheduled_runs(deployment["id"], timeout=60)
+        assert runs, "no scheduled runs created"
+        for run in runs:
+            assert run["state_type"] == "SCHEDULED"
+            assert run["expected_start_time"].split("T")[1].startswith("02:00:00")
+    finally:
+        response = stack.api.client.patch(path, json={"active": False})
+        assert response.status_code == 204, response.text
+
+
+@pytest.mark.parametrize(
+    ("spec", "field", "reason"),
+    [
+        ({"shard_size": "lots"}, "spec.shard_size", "is not of type 'integer'"),
+        ({"sampling": {"max_new_tokens": 0}}, "spec.sampling.max_new_tokens", "minimum"),
+        ({"quality_gate": {"max_reject_rate": 1.5}}, "spec.quality_gate.max_reject_rate", "maximum"),
+        ({"namespace": "team/expansion"}, "spec.namespace", "does not match"),
+    ],
+)
+def test_schema_rejects_a_bad_parameter_naming_the_field(
+    stack: Stack, spec: dict[str, Any], field: str, reason: str
+) -> None:
+    deployment_id = _deployment_id(stack, "manual")
+    response = stack.api.create_flow_run(deployment_id, {"spec": spec})
+    assert 400 <= response.status_code < 500, response.text
+    detail = response.json()["detail"]
+    assert f"'{field}'" in detail
+    assert reason in detail
+    # Nothing was created that a worker could pick up.
+    runs = stack.api.flow_runs(deployment_id)
+    assert not [r for r in runs if r["parameters"].get("spec") == spec]
+
+
+def test_environment_check_deployment_reports_through_an_artifact(stack: Stack) -> None:
+    flow_run_id = _start(
+        stack, "environment-check", {"spec": fast_spec(stack, "envcheck-ns")}, flow="check-environment"
+    )
+    run = stack.api.wait_for_flow_run(flow_run_id, RUN_TIMEOUT_S, diagnostics=stack.worker_log)
+    assert run["state_type"] == "COMPLETED", _failure_report(stack, flow_run_id, run)
+    (report,) = [a for a in stack.api.artifacts(flow_run_id) if a["key"] == "environment-report"]
+    assert report["type"] == "table"
+    rows = json.loads(report["data"])
+    assert rows, "empty environment report"
+
+
+def test_rest_triggered_run_completes_and_publishes_with_artifacts(stack: Stack) -> None:
+    namespace = "prefect-e2e-rest"
+    flow_run_id = _start(stack, "manual", {"spec": fast_spec(stack, namespace)})
+    run = stack.api.wait_for_flow_run(flow_run_id, RUN_TIMEOUT_S, diagnostics=stack.worker_log)
+    assert run["state_type"] == "COMPLETED", _failure_report(stack, flow_run_id, run)
+
+    artifacts = {a["key"]: a for a in stack.api.artifacts(flow_run_id) if a["key"]}
+    assert set(artifacts) >= EXPECTED_ARTIFACTS, sorted(artifacts)
+    assert artifacts["generation-progress"]["type"] == "progress"
+    assert artifacts["generation-progress"]["data"] == 100
+    assert stack.store.uri(f"{namespace}/") in artifacts["published-dataset"]["data"]
+    assert "**rows**" in artifacts["run-report"]["data"]
+
+    # Failed runs are inspected task by task: every stage shows up under its own name.
+    task_names = {t["name"]: t["state_type"] for t in stack.api.task_runs(flow_run_id)}
+    assert task_names.get("generate shard-00000") == "COMPLETED", task_names
+    assert task_names.get("generate shard-00001") == "COMPLETED", task_names
+    assert set(task_names.values()) == {"COMPLETED"}, task_names
+
+    # The dataset really is in S3.
+    keys = {o.key for o in stack.store.list(f"{namespace}/")}
+    assert f"{namespace}/manifest.json" in keys, sorted(keys)
+    assert any(k.startswith(f"{namespace}/data/") for k in keys), sorted(keys)
+
+
+def test_unsupported_server_flag_fails_the_environment_check_task_before_any_server_starts(stack: Stack) -> None:
+    # FA3 does not run on SM120 (the box's allowed capability): the "check environment" task refuses it.
+    spec = fast_spec(stack, "prefect-e2e-fa3", server_args=["--attention-backend", "fa3"])
+    flow_run_id = _start(stack, "manual", {"spec": spec})
+    run = stack.api.wait_for_flow_run(flow_run_id, RUN_TIMEOUT_S, diagnostics=stack.worker_log)
+    assert run["state_type"] == "FAILED", _failure_report(stack, flow_run_id, run)
+
+    failed = [t for t in stack.api.task_runs(flow_run_id) if t["state_type"] == "FAILED"]
+    assert len(failed) == 1, _failure_report(stack, flow_run_id, run)
+    # The UI lists task runs by name ("check environment-<suffix>"); the state message says why.
+    assert failed[0]["name"].startswith("check environment"), failed[0]["name"]
+    message = failed[0]["state"]["message"]
+    assert "engine.attention_backend" in message and "fa3" in message, message
+    assert "engine.attention_backend" in run["state"]["message"], run["state"]["message"]
+    (report,) = [a for a in stack.api.artifacts(flow_run_id) if a["key"] == "environment-report"]
+    assert "fa3" in report["data"]
+    assert not [t for t in stack.api.task_runs(flow_run_id) if t["name"].startswith("generate")]
+
+
+def test_server_that_dies_at_startup_fails_the_run_with_its_log_lines(stack: Stack) -> None:
+    # The box claims Hopper (fa3 allowed) but the GPU is really SM120: the environment check passes and the
+    # server itself dies at startup with SGLang's assertion; its last log lines must reach the API.
+    spec = fast_spec(stack, "prefect-e2e-broken", server_args=["--attention-backend", "fa3"])
+    flow_run_id = _start(
+        stack,
+        "manual",
+        {"spec": spec},
+        DATAGEN_ALLOWED_COMPUTE_CAPABILITIES='["9.0"]',
+        DATAGEN_STANDIN_GPU_ARCH="12.0",
+    )
+    run = stack.api.wait_for_flow_run(flow_run_id, RUN_TIMEOUT_S, diagnostics=stack.worker_log)
+    assert run["state_type"] == "FAILED", _failure_report(stack, flow_run_id, run)
+    # SGLang's (and the stand-in's) own words, from the server log's tail, in the run's state and logs.
+    server_line = "backends are supported on Blackwell GPUs for hybrid GDN models. Got fa3"
+    message = run["state"]["message"]
+    assert "ServerStartError" in message and server_line in message, message
+    assert server_line in stack.api.wait_for_log(flow_run_id, server_line)
+    # The environment check passed (it believed the box was Hopper); the failure is the server's.
+    task_states = {t["name"].rsplit("-", 1)[0]: t["state_type"] for t in stack.api.task_runs(flow_run_id)}
+    assert task_states.get("check environment") == "COMPLETED", task_states

@@ -1,0 +1,185 @@
+"""Shard claims, leases, checkpoint parts and done markers against the real local S3 server."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from datagen.layout import RunLayout
+from datagen.runspec import ExchangeSpec, MultiBoxSpec, PromptSource, RunSpec
+from datagen.storage import ObjectStore
+from tasks.generation import ShardResult
+from tasks.planning import plan_shards
+from tasks.shard_exchange import (
+    CheckpointSync,
+    IncompleteShard,
+    RunStateConflict,
+    ShardExchange,
+)
+
+
+class Clock:
+    """A settable clock: lease expiry without sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _row(key: str, tokens: int = 5) -> str:
+    return json.dumps({"request_key": key, "completion_tokens": tokens, "text": f"answer {key}"})
+
+
+def _result(shard_id: int, n: int) -> ShardResult:
+    return ShardResult(
+        shard_id=shard_id,
+        completions_path="-",
+        rejects_path="-",
+        n_prompts=n,
+        n_completed=n,
+        n_rejected=0,
+        n_sent=n,
+        output_tokens=0,
+        completions_sha256="-",
+    )
+
+
+def _exchange(store: ObjectStore, box: str, clock: Clock, owner: str | None = None) -> ShardExchange:
+    return ShardExchange(store, "ns_test", box, owner or box.replace("-", "") + "owner", lease_s=5.0, clock=clock)
+
+
+def test_claims_are_exclusive_until_the_lease_lapses_then_taken_over(s3_store: ObjectStore) -> None:
+    clock = Clock()
+    a, b = _exchange(s3_store, "box-a", clock), _exchange(s3_store, "box-b", clock)
+    lease_a = a.claim_next([0, 1], exclude=set())
+    assert lease_a is not None and lease_a.shard_id == 0 and lease_a.seq == 1
+    lease_b = b.claim_next([0, 1], exclude=set())
+    assert lease_b is not None and lease_b.shard_id == 1  # shard 0 is held: b takes the next one
+
+    clock.now += 3
+    assert a.renew(lease_a) and lease_a.seq == 2  # a renewal is claim number 2, never a replaced object
+    clock.now += 4
+    assert b.try_claim(0) is None  # renewed lease still valid
+
+    clock.now += 10  # a stops renewing (dead box): its lease lapses
+    takeover = b.try_claim(0)
+    assert takeover is not None and takeover.seq == 3
+    assert not a.renew(lease_a) and lease_a.lost  # a comes back: number 3 is taken, it learns it lost
+    assert [(c.seq, c.box) for c in a.claims(0)] == [(1, "box-a"), (2, "box-a"), (3, "box-b")]
+
+    assert a.mark_done(_result(0, 0), None)
+    assert b.claim_next([0], exclude=set()) is None  # done shards are never claimed again
+
+
+def test_only_one_of_racing_boxes_wins_a_claim(s3_store: ObjectStore) -> None:
+    clock = Clock()
+    boxes = [_exchange(s3_store, f"box-{i}", clock) for i in range(4)]
+    wins: list[str] = []
+    lock = threading.Lock()
+
+    def race(sx: ShardExchange) -> None:
+        if sx.try_claim(7) is not None:
+            with lock:
+                wins.append(sx.box)
+
+    threads = [threading.Thread(target=race, args=(sx,)) for sx in boxes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    claims = boxes[0].claims(7)
+    assert len(wins) >= 1
+    # Every win is a distinct claim number; the highest one owns the shard.
+    assert sorted(c.box for c in claims) == sorted(wins)
+    assert len({c.seq for c in claims}) == len(claims)
+
+
+def test_sync_uploads_complete_new_rows_as_parts_and_restore_resumes_elsewhere(
+    s3_store: ObjectStore, tmp_path: Path
+) -> None:
+    clock = Clock()
+    a, b = _exchange(s3_store, "box-a", clock), _exchange(s3_store, "box-b", clock)
+    layout_a, layout_b = RunLayout(tmp_path / "a"), RunLayout(tmp_path / "b")
+    lease = a.try_claim(3)
+    assert lease is not None
+    path = layout_a.shard_completions(3)
+    path.parent.mkdir(parents=True)
+    path.write_text(_row("k1") + "\n" + _row("k2") + "\n" + _row("k3")[:10], encoding="utf-8")  # torn last line
+
+    sync = CheckpointSync(a, lease, layout_a, known_keys=set(), interval_s=60)
+    assert sync.sync_once() == 2
+    assert sync.sync_once() == 0  # nothing new: no empty parts
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(_row("k3")[10:] + "\n")
+    layout_a.shard_rejects(3).write_text(json.dumps({"request_key": "k4", "reason": "x"}) + "\n", encoding="utf-8")
+    assert sync.sync_once() == 2
+    parts = sorted(o.key for o in s3_store.list(a.parts_prefix(3)))
+    assert len(parts) == 3 and all("part-box-a-boxaowner-" in k for k in parts)
+
+    # Box b takes over: it gets every row a uploaded, plus its own earlier local rows; duplicates collapse.
+    layout_b.shard_completions(3).parent.mkdir(parents=True)
+    layout_b.shard_completions(3).write_text(_row("k2") + "\n" + _row("k5") + "\n", encoding="utf-8")
+    layout_b.shard_rejects(3).write_text(json.dumps({"request_key": "k1", "reason": "y"}) + "\n", encoding="utf-8")
+    known = b.restore_checkpoint(3, layout_b)
+    assert known == {"k1", "k2", "k3", "k4"}
+    local = [json.loads(x)["request_key"] for x in layout_b.shard_completions(3).read_text().splitlines()]
+    assert local == ["k1", "k2", "k3", "k5"]
+    assert layout_b.shard_rejects(3).read_text().splitlines() == [json.dumps({"request_key": "k4", "reason": "x"})]
+
+    # b's first sync sends only what S3 lacks (k5); a duplicate part from a lagging a is deduped on read.
+    lease_b = b.try_claim(3)
+    assert lease_b is None  # a's lease is still valid
+    clock.now += 60
+    lease_b = b.try_claim(3)
+    assert lease_b is not None
+    sync_b = CheckpointSync(b, lease_b, layout_b, known, interval_s=60)
+    assert sync_b.sync_once() == 1
+    a.upload_part(3, "completions", [_row("k2"), _row("k5")], seq=99)
+    rows = b.read_rows(3)
+    assert sorted(rows.completions) == ["k1", "k2", "k3", "k5"] and list(rows.rejects) == ["k4"]
+    assert rows.duplicates == 2
+    assert rows.rows_by_box == {"box-a": 5}  # k5 twice: a's part sorts first, so a's row is the one kept
+
+    with pytest.raises(IncompleteShard):
+        b.mark_done(_result(3, 6), None)  # S3 holds 5 requests, not 6: no marker
+    assert b.mark_done(_result(3, 5), "standin-1")
+    assert not a.mark_done(_result(3, 5), None)  # second finisher: the marker exists, nothing replaced
+    assert b.done_marker(3)["box"] == "box-b"
+
+    collected = b.collect_shard(3, RunLayout(tmp_path / "parent"), {"k1", "k2", "k3", "k4", "k5"})
+    assert (collected.result.n_completed, collected.result.n_rejected) == (4, 1)
+    with pytest.raises(IncompleteShard, match="1 of the shard's 6 are missing"):
+        b.collect_shard(3, RunLayout(tmp_path / "parent2"), {"k1", "k2", "k3", "k4", "k5", "k6"})
+
+
+def test_plan_upload_is_idempotent_and_refuses_a_different_plan(s3_store: ObjectStore, tmp_path: Path) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        "\n".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"}]}) for i in range(5)) + "\n"
+    )
+    spec = RunSpec(sources=[PromptSource(path=str(prompts))], shard_size=2, namespace="ns_test")
+    layout = RunLayout(tmp_path / "run")
+    plan = plan_shards(spec, layout)
+    sx = ShardExchange(s3_store, "ns_test", "parent", "p1")
+    sx.publish_plan(plan, layout)
+    sx.publish_plan(plan, layout)  # a re-run with the same prompts: accepted, nothing rewritten
+    assert sx.fetch_plan() == plan
+    assert sx.fetch_prompts(plan, 2, RunLayout(tmp_path / "box")).read_bytes() == layout.shard_prompts(2).read_bytes()
+
+    other = plan_shards(spec.model_copy(update={"shard_size": 3}), RunLayout(tmp_path / "other"))
+    with pytest.raises(RunStateConflict, match="new namespace"):
+        sx.publish_plan(other, RunLayout(tmp_path / "other"))
+
+
+def test_specs_reject_leases_renewed_too_late_and_bad_box_names() -> None:
+    with pytest.raises(ValueError, match="half of lease_s"):
+        ExchangeSpec(lease_s=5, sync_interval_s=3)
+    with pytest.raises(ValueError, match="box names"):
+        MultiBoxSpec(boxes=["box a"])
+    with pytest.raises(ValueError, match="unique"):
+        MultiBoxSpec(boxes=["a", "a"])

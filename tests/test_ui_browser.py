@@ -1,0 +1,176 @@
+"""A person starts a run from the Prefect UI: headless Debian chromium fills the deployment's run form.
+
+Needs Debian's chromium (`apt-get install -y chromium`); Playwright drives it (no browser download).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
+from playwright.sync_api import sync_playwright
+
+from datagen.localstack import LocalS3
+from datagen.model_fixture import ensure_model_dir
+from datagen.storage import ObjectStore
+from tests.prefect_fixtures import (
+    PrefectApi,
+    PrefectServer,
+    free_port,
+    prefect_server,
+    prefect_worker,
+    run_deploy,
+    worker_env,
+    write_prompts,
+)
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = os.environ.get("DATAGEN_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-quic",
+]
+RUN_TIMEOUT_S = 300.0  # a hang guard, not a speed requirement
+PROMPTS = [
+    "Explain what a unit test is.",
+    "Give two reasons to pin dependencies.",
+    "What does HTTP status 409 mean?",
+    "Write one sentence about tokenizers.",
+]
+
+
+@dataclass
+class UiStack:
+    server: PrefectServer
+    api: PrefectApi
+    store: ObjectStore
+    worker_log: Path
+    prompts: Path
+    model_dir: Path
+    artifacts_dir: Path
+
+
+def _chromium() -> str:
+    path = CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium")
+    if not path:
+        pytest.fail(
+            f"Debian chromium not found at {CHROMIUM} or on PATH: install it with "
+            "`apt-get update && apt-get install -y chromium` (or set DATAGEN_CHROMIUM)",
+            pytrace=False,
+        )
+    return path
+
+
+@pytest.fixture(scope="module")
+def ui_stack(tmp_path_factory: pytest.TempPathFactory, local_s3: LocalS3) -> Iterator[UiStack]:
+    """Prefect server (UI included) + `infra/deploy.sh` + one process worker, stopped at the end of the module."""
+    _chromium()  # fail before starting anything
+    root = tmp_path_factory.mktemp("prefect-ui")
+    s3_prefix = f"{root.name}/"
+    env = worker_env(local_s3, s3_prefix, root / "work", length_mean=120, length_max=400)
+    with ExitStack() as stack:
+        server = stack.enter_context(prefect_server(root / "prefect"))
+        run_deploy(server, root / "cli-home")
+        worker_log = root / "worker.log"
+        # Runs started from the UI get no per-run environment: the worker's is theirs.
+        env["DATAGEN_BASE_PORT"] = str(free_port())
+        stack.enter_context(prefect_worker(server, root / "worker-home", worker_log, env))
+        api = PrefectApi(server.api_url)
+        stack.callback(api.close)
+        yield UiStack(
+            server=server,
+            api=api,
+            store=ObjectStore.from_settings(local_s3.settings(s3_prefix=s3_prefix)),
+            worker_log=worker_log,
+            prompts=write_prompts(root / "prompts.jsonl", PROMPTS),
+            model_dir=ensure_model_dir(),
+            artifacts_dir=root,
+        )
+
+
+def test_run_started_from_the_ui_form_completes(ui_stack: UiStack, tmp_path: Path) -> None:
+    deployment = ui_stack.api.deployment("expand-dataset", "manual")
+    namespace = "ui-form-run"
+    run_name = "started-from-the-ui"
+
+    with sync_playwright() as pw:
+        # A fresh profile directory per run (Playwright passes it as --user-data-dir).
+        browser = pw.chromium.launch_persistent_context(
+            tmp_path / "chromium-profile",
+            executable_path=_chromium(),
+            args=CHROMIUM_ARGS,
+            viewport={"width": 1400, "height": 1000},
+        )
+        page = browser.new_page()
+        try:
+            # /ui-settings must name this server's API (PREFECT_SERVER_API_PORT set before start).
+            settings = page.request.get(f"{ui_stack.server.url}/ui-settings").json()
+            assert settings["api_url"] == ui_stack.server.api_url
+
+            page.goto(f"{ui_stack.server.url}/v2/deployments/deployment/{deployment['id']}/run")
+            page.get_by_label("Namespace (Optional)", exact=True).wait_for()
+
+            def fill(label: str, value: str) -> None:
+                box = page.get_by_label(label, exact=True)
+                box.fill(value)
+                assert box.input_value() == value
+
+            fill("Run Name", run_name)
+            fill("Path", str(ui_stack.prompts))
+            fill("Model Path (Optional)", str(ui_stack.model_dir))
+            fill("Max New Tokens (Optional)", "1024")
+            fill("Shard Size (Optional)", "2")
+            fill("Namespace (Optional)", namespace)
+            fill("Max Reject Rate (Optional)", "1")
+            fill("Max Short Share (Optional)", "1")
+            fill("Context Length (Optional)", "8192")
+            page.get_by_role("button", name="Submit", exact=True).click()
+
+            # The UI creates the run and shows it in the deployment's Runs tab; open it from there.
+            flow_run = _wait_for_run_named(ui_stack.api, deployment["id"], run_name)
+            page.get_by_role("link", name=run_name).first.click()
+            page.wait_for_url(f"**/runs/flow-run/{flow_run['id']}**", timeout=30_000)
+            run = ui_stack.api.wait_for_flow_run(flow_run["id"], RUN_TIMEOUT_S, diagnostics=ui_stack.worker_log)
+            assert run["state_type"] == "COMPLETED", f"{run['state']}\n{ui_stack.api.log_text(flow_run['id'])}"
+            # The flow-run page shows the final state (reloaded: no waiting on the UI's refresh interval).
+            page.reload()
+            page.get_by_text("Completed", exact=True).first.wait_for(timeout=60_000)
+        except (AssertionError, PlaywrightTimeout):
+            page.screenshot(path=str(ui_stack.artifacts_dir / "ui-failure.png"), full_page=True)
+            raise
+        finally:
+            browser.close()
+
+    # The form's values reached the flow: the deployment's schema turned them into a RunSpec.
+    spec = run["parameters"]["spec"]
+    assert spec["namespace"] == namespace
+    assert spec["shard_size"] == 2
+    assert spec["sampling"]["max_new_tokens"] == 1024
+    assert spec["sources"][0]["path"] == str(ui_stack.prompts)
+    assert ui_stack.store.exists(f"{namespace}/manifest.json")
+
+
+def _wait_for_run_named(api: PrefectApi, deployment_id: str, name: str, timeout: float = 60.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        for run in api.flow_runs(deployment_id):
+            if run["name"] == name:
+                return run
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no flow run named {name!r} was created from the UI form")
+        time.sleep(0.5)
