@@ -4,7 +4,8 @@
 #   PREFECT_API_URL=http://prefect-host:4200/api bash infra/prefect-worker.sh
 # The worker's environment is the flow runs' environment: export the DATAGEN_* settings (or put them in
 # $DATAGEN_HOME/.env) before starting it. Optional: DATAGEN_WORK_POOL (default gpu-box-1),
-# DATAGEN_WORKER_NAME (default gpu-worker-<hostname>), DATAGEN_WORKER_LIMIT (default 1), PREFECT_BIN.
+# DATAGEN_WORKER_NAME (default gpu-worker-<hostname>), DATAGEN_WORKER_LIMIT (default 1), PREFECT_BIN,
+# DATAGEN_WORK_QUEUE (multi-box: the box's own queue, named like DATAGEN_BOX_NAME; see docs/multi-box.md).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [ -z "${PREFECT_API_URL:-}" ]; then
@@ -22,9 +23,12 @@ if [ -z "$prefect_bin" ]; then
   if [ -x "$DATAGEN_HOME/.venv/bin/prefect" ]; then prefect_bin="$DATAGEN_HOME/.venv/bin/prefect"; else prefect_bin=prefect; fi
 fi
 cd "$DATAGEN_HOME"
+queue_args=()
+if [ -n "${DATAGEN_WORK_QUEUE:-}" ]; then queue_args=(--work-queue "$DATAGEN_WORK_QUEUE"); fi
 # exec: the worker gets this script's pid, so signals (SIGINT from systemd or a test) reach it directly.
 exec "$prefect_bin" worker start \
   --pool "${DATAGEN_WORK_POOL:-gpu-box-1}" \
   --type process \
   --name "${DATAGEN_WORKER_NAME:-gpu-worker-$(hostname -s)}" \
-  --limit "${DATAGEN_WORKER_LIMIT:-1}"
+  --limit "${DATAGEN_WORKER_LIMIT:-1}" \
+  "${queue_args[@]}"

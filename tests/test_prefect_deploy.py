@@ -73,6 +73,8 @@ def fast_spec(stack: Stack, namespace: str, **overrides: Any) -> dict[str, Any]:
         "shard_size": 3,
         "context_length": 4096,
         "sampling": {"max_new_tokens": 64},
+        # Every test runs the same prompts: without this, a later run would skip them as already published.
+        "skip_published": False,
         "validation": {"min_answer_tokens": 0, "reject_truncated": False},
         "quality_gate": {
             "max_reject_rate": 1.0,
