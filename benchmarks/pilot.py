@@ -85,7 +85,7 @@ def _generate(
 ) -> tuple[list[ShardResult], dict[str, Any]]:
     with Dispatcher(endpoints, log_interval_s=30.0, stall_timeout_s=300.0) as dispatcher:
         dispatcher.wait_ready(60)
-        with ThroughputProbe(dispatcher) as probe, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        with ThroughputProbe(dispatcher, endpoints) as probe, concurrent.futures.ThreadPoolExecutor(4) as pool:
             t0 = time.monotonic()
             results = list(pool.map(lambda s: generate_shard(s, layout, dispatcher, chat, spec), plan.shard_ids))
             wall = time.monotonic() - t0
@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-base-ms", type=float, default=20.0)
     ap.add_argument("--step-per-req-ms", type=float, default=0.5)
     ap.add_argument("--tokens-per-step", type=int, default=64)
+    ap.add_argument(
+        "--no-metrics", action="store_true", help="servers without --enable-metrics (the pilot reads /v1/loads)"
+    )
     args = ap.parse_args(argv)
 
     env = {
@@ -135,7 +138,17 @@ def main(argv: list[str] | None = None) -> int:
             sampling=SamplingSpec(max_new_tokens=8192),
         )
         endpoints = [
-            stack.enter_context(run_standin(chat.model_dir, args=("--max-running-requests", str(args.slots)), env=env))
+            stack.enter_context(
+                run_standin(
+                    chat.model_dir,
+                    args=(
+                        "--max-running-requests",
+                        str(args.slots),
+                        *(() if args.no_metrics else ("--enable-metrics",)),
+                    ),
+                    env=env,
+                )
+            )
             for _ in range(args.servers)
         ]
 
@@ -176,11 +189,13 @@ def main(argv: list[str] | None = None) -> int:
         "actual_wall_s": main_run["wall_s"],
         "wall_rel_error": (projected_wall - main_run["wall_s"]) / main_run["wall_s"],
         "projected_wall_s_full_set": projection.projection["wall_s"],
+        "long_first_wall_s": long_first["wall_s"],
+        "full_set_wall_rel_error": (projection.projection["wall_s"] - long_first["wall_s"]) / long_first["wall_s"],
+        "projected_wall_s_fifo": projection.projection["wall_s_fifo"],
         "fifo_wall_s": fifo["wall_s"],
-        "full_set_wall_rel_error_vs_fifo": (projection.projection["wall_s"] - fifo["wall_s"]) / fifo["wall_s"],
+        "fifo_wall_rel_error": (projection.projection["wall_s_fifo"] - fifo["wall_s"]) / fifo["wall_s"],
         "utilization_fifo": fifo["output_tokens"] / fifo["wall_s"] / ideal,
         "utilization_long_first": long_first["output_tokens"] / long_first["wall_s"] / ideal,
-        "long_first_wall_s": long_first["wall_s"],
         "reused_from_pilot": reused.model_dump(),
         "main_requests_sent": main_run["requests_sent"],
         "pilot": {"run": pilot_run, "projection": projection.model_dump(mode="json", exclude={"length_model"})},
@@ -194,8 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         f"tokens: projected {projected_tokens:,} actual {actual_tokens:,} ({report['tokens_rel_error']:+.1%})\n"
         f"wall (main run, reusing pilot): projected {projected_wall:.1f}s actual {main_run['wall_s']:.1f}s "
         f"({report['wall_rel_error']:+.1%})\n"
-        f"wall (full set): projected {projection.projection['wall_s']:.1f}s, FIFO actual {fifo['wall_s']:.1f}s "
-        f"({report['full_set_wall_rel_error_vs_fifo']:+.1%})\n"
+        f"wall (full set, long-first): projected {projection.projection['wall_s']:.1f}s "
+        f"actual {long_first['wall_s']:.1f}s ({report['full_set_wall_rel_error']:+.1%})\n"
+        f"wall (full set, FIFO): projected {projection.projection['wall_s_fifo']:.1f}s actual {fifo['wall_s']:.1f}s "
+        f"({report['fifo_wall_rel_error']:+.1%})\n"
         f"utilization: FIFO {report['utilization_fifo']:.1%} ({fifo['wall_s']:.1f}s), "
         f"long-first {report['utilization_long_first']:.1%} ({long_first['wall_s']:.1f}s); ideal {ideal:.0f} tok/s"
     )

@@ -63,7 +63,7 @@ def pilot_flow(spec: RunSpec = RunSpec(), pilot_spec: pilot.PilotSpec = pilot.Pi
         Dispatcher(fleet.endpoints, on_server_down=fleet.restart) as dispatcher,
     ):
         dispatcher.wait_ready(settings.server_start_timeout_s)
-        with pilot.ThroughputProbe(dispatcher) as probe:
+        with pilot.ThroughputProbe(dispatcher, fleet.endpoints) as probe:
             futures = [
                 generate_shard_task.with_options(result_storage=layout.root / "task-results").submit(
                     shard_id, plan.plan_sha256, chat.fingerprint, spec, layout, dispatcher, chat

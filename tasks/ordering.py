@@ -119,10 +119,14 @@ class LengthModel(BaseModel):
 
     def predict(self, p: Prompt) -> float:
         """Expected output tokens of a prompt."""
-        base = self._group_mean(p.source, p.category)
+        return self.predict_features(p.source, p.category, prompt_chars(p))
+
+    def predict_features(self, source: str, category: str | None, chars: int) -> float:
+        """Expected output tokens from the features alone (source, category, prompt length in characters)."""
+        base = self._group_mean(source, category)
         if self.slope == 0.0:
             return base
-        return base * math.exp(self.slope * (math.log1p(prompt_chars(p)) - self.log_chars_mean))
+        return base * math.exp(self.slope * (math.log1p(chars) - self.log_chars_mean))
 
 
 def long_first(items: Iterable[Prompt | Reject], model: LengthModel, spill_dir: Path, run: int = SPILL_RUN) -> Items:

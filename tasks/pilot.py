@@ -11,21 +11,26 @@ template), so importing them makes the main run's generation ledger skip them: n
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import logging
 import math
 import os
+import random
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.chat import ChatTokenizer
+from datagen.endpoints import ServerEndpoint
 from datagen.engine.dispatcher import Dispatcher
 from datagen.layout import RunLayout
 from datagen.prompts import iter_prompts
@@ -40,17 +45,23 @@ from tasks.selection import SelectionReport, choose, filtered, stratified_sample
 __all__ = [
     "PILOT_JSON",
     "PILOT_MARKDOWN",
+    "DecodeModel",
     "ImportReport",
     "PilotPopulation",
     "PilotSpec",
     "Projection",
+    "ServerReading",
     "ThroughputProbe",
     "ThroughputSample",
+    "dispatch_order",
+    "expand_population",
+    "fit_decode_model",
     "import_pilot",
     "load_projection",
     "plan_pilot",
     "project",
     "render_projection",
+    "simulate_wall",
     "write_projection",
 ]
 
@@ -115,15 +126,138 @@ class ThroughputSample:
     queued: int
 
 
-class ThroughputProbe:
-    """Reads dispatcher.stats() every `interval_s` in a thread while generation runs."""
+@dataclass(frozen=True, slots=True)
+class ServerReading:
+    """One reading of a server's own decode state: `/metrics` (with --enable-metrics) or `/v1/loads`."""
 
-    def __init__(self, dispatcher: Dispatcher, interval_s: float = 0.5) -> None:
+    t: float
+    server: str
+    running: int
+    waiting: int
+    generation_tokens: float | None  # sglang:generation_tokens_total; None when only /v1/loads answered
+    gen_throughput: float  # the server's own recent tokens/s
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeModel:
+    """Time per decode step (every running request advances one token) as a function of the batch B.
+
+    step_s(B) = step_base_s + step_per_req_s * B, the shape of both SGLang's memory-bound decode and the stand-in's
+    timing model. Per-server throughput at batch B is B / step_s(B); a lone request decodes at 1 / step_s(1).
+    """
+
+    step_base_s: float
+    step_per_req_s: float
+
+    def step_s(self, batch: int) -> float:
+        return self.step_base_s + self.step_per_req_s * batch
+
+    def tokens_per_s(self, batch: int) -> float:
+        return batch / self.step_s(batch)
+
+
+def _parse_prometheus(text: str) -> dict[str, float]:
+    """Metric name -> value summed over label sets (dp/tp ranks)."""
+    out: dict[str, float] = defaultdict(float)
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        try:
+            out[name_labels.split("{", 1)[0]] += float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def fit_decode_model(
+    readings: list[ServerReading], slots_per_server: int
+) -> tuple[DecodeModel, float, dict[str, Any]] | None:
+    """Fit step_s(B) from the servers' own counters; returns (model, saturated tokens/s per server, details).
+
+    Each pair of consecutive readings of one server gives a point (mean batch, tokens decoded / seconds) from the
+    decoded-token counter (or, without --enable-metrics, the server's reported gen_throughput at that batch).
+    These count tokens as they are decoded, so a request that has not finished yet counts too. The saturated rate
+    is measured directly over intervals where the server ran a full batch; the slope of the step time in B comes
+    from a least-squares line over per-batch means (the pilot's drain supplies the low batches). The line is
+    anchored at the measured saturated rate. None when the servers never reported a running batch.
+    """
+    by_server: dict[str, list[ServerReading]] = defaultdict(list)
+    for r in readings:
+        by_server[r.server].append(r)
+    points: dict[int, list[float]] = defaultdict(list)  # batch -> step seconds
+    sat_tokens = sat_time = 0.0
+    for rs in by_server.values():
+        rs.sort(key=lambda r: r.t)
+        for a, b in itertools.pairwise(rs):
+            dt = b.t - a.t
+            if dt <= 0:
+                continue
+            if a.generation_tokens is not None and b.generation_tokens is not None:
+                if a.running <= 0 or b.running <= 0 or a.running != b.running:
+                    continue  # a batch change inside the interval mixes two rates
+                tokens = b.generation_tokens - a.generation_tokens
+                rate, batch = tokens / dt, a.running
+            else:
+                if b.running <= 0 or b.running != a.running:
+                    continue
+                tokens, rate, batch = b.gen_throughput * dt, b.gen_throughput, b.running
+            if rate <= 0:
+                continue
+            points[batch].append(batch / rate)
+            if batch >= slots_per_server:
+                sat_tokens += tokens
+                sat_time += dt
+    if not points:
+        return None
+    xs = sorted(points)
+    ys = [sorted(points[x])[len(points[x]) // 2] for x in xs]  # median step per batch: robust to a starved poll
+    slope = 0.0
+    if len(xs) >= 2 and xs[-1] - xs[0] >= max(2, slots_per_server // 4):
+        x_mean, y_mean = sum(xs) / len(xs), sum(ys) / len(ys)
+        sxx = sum((x - x_mean) ** 2 for x in xs)
+        slope = max(0.0, sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys, strict=True)) / sxx)
+    if sat_time > 0 and sat_tokens > 0:
+        saturated = sat_tokens / sat_time
+        method = "saturated (server decode counters at full batch)"
+    else:  # never a full batch: extrapolate the line to it
+        x_mean, y_mean = sum(xs) / len(xs), sum(ys) / len(ys)
+        step_full = max(y_mean + slope * (slots_per_server - x_mean), 1e-9)
+        saturated = slots_per_server / step_full
+        method = "extrapolated to a full batch (the servers never ran one)"
+    step_full = slots_per_server / saturated
+    base = step_full - slope * slots_per_server
+    if base <= 0:  # a noisy slope steeper than the whole step: keep the measured saturated rate, flatten the line
+        slope, base = 0.0, step_full
+    model = DecodeModel(step_base_s=base, step_per_req_s=slope)
+    details = {
+        "method": method,
+        "batches_observed": [xs[0], xs[-1]],
+        "saturated_seconds_observed": round(sat_time, 2),
+        "single_request_tokens_per_s": round(model.tokens_per_s(1), 1),
+    }
+    return model, saturated, details
+
+
+class ThroughputProbe:
+    """Reads dispatcher.stats() and every server's own decode counters every `interval_s` while generation runs.
+
+    `endpoints`: the servers to poll (`/metrics` when the server runs with --enable-metrics, else `/v1/loads`).
+    Without endpoints only the dispatcher's completion-time counters are read (a cruder whole-run rate).
+    """
+
+    def __init__(
+        self, dispatcher: Dispatcher, endpoints: Sequence[ServerEndpoint] = (), interval_s: float = 0.25
+    ) -> None:
         self._dispatcher = dispatcher
+        self._endpoints = list(endpoints)
         self._interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pilot-throughput", daemon=True)
+        self._http = httpx.Client(timeout=2.0)
+        self._use_metrics: dict[str, bool] = {}
         self.samples: list[ThroughputSample] = []
+        self.server_readings: list[ServerReading] = []
         self.servers = 0
         self.slots = 0
         self.started = 0.0
@@ -135,6 +269,41 @@ class ThroughputProbe:
         up = [srv for srv in s.servers if srv.state == "up"]
         self.servers = max(self.servers, len(up))
         self.slots = max(self.slots, sum(srv.capacity for srv in up))
+        for e in self._endpoints:
+            try:
+                self.server_readings.append(self._read_server(e))
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+                log.debug("pilot probe: %s unreadable: %s", e.name, exc)
+
+    def _read_server(self, e: ServerEndpoint) -> ServerReading:
+        headers = {"Authorization": f"Bearer {e.api_key.get_secret_value()}"} if e.api_key else {}
+        base = e.url.rstrip("/")
+        if self._use_metrics.get(e.name, True):
+            resp = self._http.get(f"{base}/metrics", headers=headers)
+            if resp.status_code == 200 and "sglang:generation_tokens_total" in resp.text:
+                t = time.monotonic()
+                m = _parse_prometheus(resp.text)
+                return ServerReading(
+                    t,
+                    e.name,
+                    int(m["sglang:num_running_reqs"]),
+                    int(m.get("sglang:num_queue_reqs", 0)),
+                    m["sglang:generation_tokens_total"],
+                    m.get("sglang:gen_throughput", 0.0),
+                )
+            self._use_metrics[e.name] = False  # metrics off: /v1/loads answers without --enable-metrics
+        resp = self._http.get(f"{base}/v1/loads", headers=headers)
+        resp.raise_for_status()
+        t = time.monotonic()
+        loads = resp.json()["loads"]
+        return ServerReading(
+            t,
+            e.name,
+            sum(int(x["num_running_reqs"]) for x in loads),
+            sum(int(x["num_waiting_reqs"]) for x in loads),
+            None,
+            sum(float(x["gen_throughput"]) for x in loads),
+        )
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
@@ -150,33 +319,123 @@ class ThroughputProbe:
         self._stop.set()
         self._thread.join()
         self._read()
+        self._http.close()
         self.ended = time.monotonic()
 
     def measure(self) -> dict[str, Any]:
-        """Aggregate tokens/s while every slot was busy (queue non-empty, after one turnover of the slots).
+        """Per-server decode model and saturated tokens/s from the servers' counters (see fit_decode_model).
 
-        Counting tokens as requests complete under-counts at the start (nothing has finished yet) and over-counts
-        in the drain; the window between skips both. Too short a window falls back to the whole run.
+        Falls back to the dispatcher's completion-time counters (whole-run rate, no batch model) when no server
+        answered. `ramp_s`: from the start until the first server reported a running request.
         """
         wall = max(self.ended - self.started, 1e-9)
         total = self.samples[-1].output_tokens - self.samples[0].output_tokens if self.samples else 0
-        full = [s for s in self.samples if s.queued > 0 and s.completed >= self.slots]
-        method = "saturated"
-        if len(full) >= 4 and full[-1].t - full[0].t >= 0.1 * wall and full[-1].output_tokens > full[0].output_tokens:
-            rate = (full[-1].output_tokens - full[0].output_tokens) / (full[-1].t - full[0].t)
-        else:
-            method = "whole_run (the sample never kept every slot busy long enough)"
-            rate = total / wall
-        return {
-            "method": method,
-            "aggregate_tokens_per_s": rate,
+        servers = max(1, self.servers)
+        slots_per_server = max(1, round(self.slots / servers)) if self.slots else 1
+        busy = [r.t for r in self.server_readings if r.running > 0]
+        ramp = max(0.0, min(busy) - self.started) if busy else 0.0
+        out: dict[str, Any] = {
             "servers": self.servers,
             "slots": self.slots,
+            "slots_per_server": slots_per_server,
             "pilot_wall_s": wall,
             "pilot_output_tokens": total,
-            # Ramp-up and drain: what the pilot took beyond its tokens at the saturated rate.
-            "overhead_s": max(0.0, wall - total / rate) if rate > 0 else 0.0,
+            "ramp_s": round(ramp, 3),
+            "server_readings": len(self.server_readings),
+            "counters": "metrics"
+            if any(r.generation_tokens is not None for r in self.server_readings)
+            else ("loads" if self.server_readings else "dispatcher"),
         }
+        fitted = fit_decode_model(self.server_readings, slots_per_server)
+        if fitted is not None:
+            model, saturated, details = fitted
+            return (
+                out
+                | details
+                | {
+                    "aggregate_tokens_per_s": saturated * servers,
+                    "step_base_s": model.step_base_s,
+                    "step_per_req_s": model.step_per_req_s,
+                }
+            )
+        rate = total / wall
+        return out | {
+            "method": "whole_run (no server counters; completion-time rate, no batch model)",
+            "aggregate_tokens_per_s": rate,
+            "overhead_s": 0.0,
+        }
+
+
+def simulate_wall(lengths: Sequence[int], servers: int, slots: int, model: DecodeModel) -> float:
+    """Seconds to decode `lengths` dispatched in this order onto `servers` x `slots`, every slot refilled at once.
+
+    Every server advances all its running requests one token per model.step_s(batch): full batches at the
+    saturated rate, and a drain that speeds up per request as the batch empties. A freed slot takes the next
+    request in order (a long-first order leaves the shortest outputs for the end, so the drain is short).
+    """
+    queue = iter(lengths)
+    heaps: list[list[float]] = [[] for _ in range(servers)]  # per server: progress at which each request ends
+    progress = [0.0] * servers  # tokens every request running on the server has advanced since t=0
+    exhausted = False
+
+    def fill(k: int) -> None:
+        nonlocal exhausted
+        while not exhausted and len(heaps[k]) < slots:
+            n = next(queue, None)
+            if n is None:
+                exhausted = True
+                return
+            if n > 0:
+                heapq.heappush(heaps[k], progress[k] + n)
+
+    for _ in range(slots):  # round-robin initial fill, as a dispatcher spreads the first requests
+        for k in range(servers):
+            if len(heaps[k]) < slots:
+                n = next(queue, None)
+                if n is None:
+                    exhausted = True
+                    break
+                if n > 0:
+                    heapq.heappush(heaps[k], progress[k] + n)
+    for k in range(servers):
+        fill(k)
+    t = 0.0
+    while True:
+        active = [k for k in range(servers) if heaps[k]]
+        if not active:
+            return t
+        dt = min((heaps[k][0] - progress[k]) * model.step_s(len(heaps[k])) for k in active)
+        t += dt
+        for k in active:
+            progress[k] += dt / model.step_s(len(heaps[k]))
+            while heaps[k] and heaps[k][0] <= progress[k] + 1e-9:
+                heapq.heappop(heaps[k])
+            fill(k)
+
+
+def expand_population(samples: list[tuple[LengthSample, float]], target: int) -> list[tuple[float, int]]:
+    """`target` (predicted, actual) lengths standing for a population: each sample repeated by its weight.
+
+    Largest-remainder rounding keeps the total exact; the caller orders the result.
+    """
+    if not samples or target <= 0:
+        return []
+    w = target / len(samples)
+    counts = [int(w)] * len(samples)
+    for i in sorted(range(len(samples)), key=lambda i: -((w * (i + 1)) % 1))[: target - sum(counts)]:
+        counts[i] += 1
+    return [(pred, s.output_tokens) for (s, pred), c in zip(samples, counts, strict=True) for _ in range(c)]
+
+
+def dispatch_order(items: list[tuple[float, int]], order: str, seed: int = 0) -> list[int]:
+    """Actual lengths in dispatch order: "fifo" (a seeded shuffle) or "long_first" (by predicted length)."""
+    shuffled = list(items)
+    random.Random(seed).shuffle(shuffled)  # file order mixes the strata; ties of long-first keep it
+    if order == "long_first":
+        shuffled.sort(key=lambda x: -x[0])
+    elif order != "fifo":
+        raise ValueError(f"unknown order {order!r}")
+    return [n for _, n in shuffled]
 
 
 def _percentile(sorted_values: list[int], q: float) -> int:
@@ -276,12 +535,43 @@ def project(
     all_tokens = [v for t in tokens.values() for v in t]
     pilot_tokens = sum(all_tokens)
 
+    length_model = LengthModel.fit(samples)
+    by_src: dict[str, list[tuple[LengthSample, float]]] = defaultdict(list)
+    for smp in samples:
+        by_src[smp.source].append((smp, length_model.predict_features(smp.source, smp.category, smp.prompt_chars)))
+    full_items: list[tuple[float, int]] = []
+    rest_items: list[tuple[float, int]] = []
+    for source, n_pop in pop.items():
+        src_samples = by_src.get(source, [])
+        sampled = len(src_samples) + gen_rejects[source]
+        if not src_samples:
+            continue
+        completing = len(src_samples) / sampled  # generation rejects take no decode time
+        full_items += expand_population(src_samples, round(n_pop * completing))
+        rest = max(0, n_pop - population.sample_by_source.get(source, sampled))
+        rest_items += expand_population(src_samples, round(rest * completing))
+
     rate = float(throughput["aggregate_tokens_per_s"])
     per_server = rate / max(1, int(throughput["servers"]))
-    overhead = float(throughput["overhead_s"])
-    wall = total_tokens / (per_server * servers) + overhead if per_server > 0 else math.inf
     remaining = max(0.0, total_tokens - pilot_tokens)
-    wall_after_pilot = remaining / (per_server * servers) + overhead if per_server > 0 else math.inf
+    walls: dict[str, float] = {}
+    if "step_base_s" in throughput:
+        model = DecodeModel(float(throughput["step_base_s"]), float(throughput["step_per_req_s"]))
+        slots = int(throughput["slots_per_server"])
+        ramp = float(throughput.get("ramp_s", 0.0))
+        for key, items, order in (
+            ("wall_s", full_items, "long_first"),
+            ("wall_s_fifo", full_items, "fifo"),
+            ("wall_s_reusing_pilot", rest_items, "long_first"),
+        ):
+            walls[key] = ramp + simulate_wall(dispatch_order(items, order, pilot.seed), servers, slots, model)
+        method = "simulated: server decode model, pilot lengths in dispatch order"
+    else:  # no batch model: tokens at the whole-run rate of the pilot
+        walls["wall_s"] = walls["wall_s_fifo"] = total_tokens / (per_server * servers) if per_server > 0 else math.inf
+        walls["wall_s_reusing_pilot"] = remaining / (per_server * servers) if per_server > 0 else math.inf
+        method = "tokens / whole-run rate (no server counters)"
+    wall = walls["wall_s"]
+    bound = total_tokens / (per_server * servers) if per_server > 0 else math.inf
     return Projection(
         pilot={
             "name": pilot.name,
@@ -302,16 +592,21 @@ def project(
         throughput={**throughput, "per_server_tokens_per_s": round(per_server, 1)},
         projection={
             "servers": servers,
+            "order": "long_first",
+            "method": method,
             "wall_s": round(wall, 1),
             "wall_h": wall / 3600,
             "gpu_hours": wall / 3600 * servers,
-            "wall_s_reusing_pilot": round(wall_after_pilot, 1),
+            "wall_s_fifo": round(walls["wall_s_fifo"], 1),
+            "wall_s_reusing_pilot": round(walls["wall_s_reusing_pilot"], 1),
+            "wall_s_saturated_bound": round(bound, 1),
+            "tail_s": round(wall - bound, 1),
             "reject_rate": round(total_rejects / n_full, 4) if n_full else 0.0,
             "rows": round(total_rows),
             "dataset_tokens": round(total_row_tokens),
             "dataset_bytes_uncompressed": round(total_row_tokens * BYTES_PER_TOKEN),
         },
-        length_model=LengthModel.fit(samples),
+        length_model=length_model,
     )
 
 
@@ -329,7 +624,9 @@ def render_projection(p: Projection) -> str:
         f"| output tokens per completion: mean / p50 / p90 / p99 | "
         f"{ot['mean']:,} / {ot['p50']:,} / {ot['p90']:,} / {ot['p99']:,} |",
         f"| throughput per server (measured, {th['method']}) | {th['per_server_tokens_per_s']:,} tok/s |",
-        f"| wall time | {pr['wall_h']:,.3f} h ({pr['wall_s']:,} s) |",
+        f"| wall time (long-first dispatch) | {pr['wall_h']:,.3f} h ({pr['wall_s']:,} s) |",
+        f"| of which beyond the saturated rate (ramp, drain) | {pr.get('tail_s', 0.0):,} s |",
+        f"| wall time in FIFO order | {pr.get('wall_s_fifo', pr['wall_s']):,} s |",
         f"| wall time reusing the pilot's completions | {pr['wall_s_reusing_pilot']:,} s |",
         f"| GPU-hours | {pr['gpu_hours']:,.3f} |",
         f"| reject rate | {pr['reject_rate']:.1%} |",

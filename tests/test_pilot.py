@@ -16,9 +16,18 @@ from datagen.records import Prompt
 from datagen.runspec import PromptSource, QualityGate, RunSpec, SamplingSpec
 from flows.expand_dataset import expand_dataset
 from flows.pilot import pilot_flow
-from tasks.pilot import PILOT_JSON, PILOT_MARKDOWN, PilotSpec
-
-pytestmark = pytest.mark.slow
+from tasks.ordering import LengthSample
+from tasks.pilot import (
+    PILOT_JSON,
+    PILOT_MARKDOWN,
+    DecodeModel,
+    PilotSpec,
+    ServerReading,
+    dispatch_order,
+    expand_population,
+    fit_decode_model,
+    simulate_wall,
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +60,7 @@ def _lines(paths: list[Path]) -> set[bytes]:
     return {line for p in paths if p.exists() for line in p.read_bytes().splitlines() if line.strip()}
 
 
+@pytest.mark.slow
 def test_pilot_projects_the_full_set_and_the_main_run_reuses_its_completions(
     prefect_api: None, pipeline_env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -107,3 +117,65 @@ def test_pilot_projects_the_full_set_and_the_main_run_reuses_its_completions(
     means = {s: model["by_source"][s]["mean"] for s in model["by_source"]}
     longest = max(means, key=lambda s: means[s])
     assert first_shard[0].source == longest
+
+
+def test_simulate_wall_full_batches_then_a_drain_at_low_batch_speed() -> None:
+    m = DecodeModel(step_base_s=0.002, step_per_req_s=0.0005)  # step(B) = 2 ms + 0.5 ms * B
+    assert m.tokens_per_s(4) == pytest.approx(4 / 0.004)
+    # One full batch of equal lengths: 100 steps at B=4.
+    assert simulate_wall([100] * 4, 1, 4, m) == pytest.approx(100 * 0.004)
+    # Two servers take eight requests in the same time.
+    assert simulate_wall([100] * 8, 2, 4, m) == pytest.approx(100 * 0.004)
+    # Drain: 50 tokens at B=2, then the longer one alone for 50 more at single-request speed.
+    assert simulate_wall([100, 50], 1, 2, m) == pytest.approx(50 * 0.003 + 50 * 0.0025)
+    # A freed slot takes the next request: 10 steps at B=2 (both), then 10 at B=2 (the 20 and the refill 10).
+    assert simulate_wall([10, 20, 10], 1, 2, m) == pytest.approx(20 * 0.003)
+    assert simulate_wall([], 2, 4, m) == 0.0
+    assert simulate_wall([0, 0], 1, 1, m) == 0.0
+
+
+def test_long_first_order_shortens_the_tail() -> None:
+    m = DecodeModel(step_base_s=0.002, step_per_req_s=0.0005)
+    items = [(float(n), n) for n in [1000] + [100] * 19]  # (predicted, actual)
+    long_first = simulate_wall(dispatch_order(items, "long_first"), 1, 4, m)
+    fifo_last = simulate_wall([100] * 19 + [1000], 1, 4, m)  # the long one dispatched last runs alone at the end
+    assert dispatch_order(items, "long_first")[0] == 1000
+    assert long_first < fifo_last
+    # Long-first: the 1000 runs from t=0 at B=4 while 19 x 100 pass through the other 3 slots (~633 steps), then
+    # the 1000 finishes alone; total = 1000 tokens of it, bounded below by the work at full batch.
+    assert long_first >= 1000 * m.step_s(1)
+    assert sorted(dispatch_order(items, "fifo", seed=1)) == sorted(n for _, n in items)
+    with pytest.raises(ValueError):
+        dispatch_order(items, "random")
+
+
+def test_expand_population_keeps_the_total_and_the_sample_mix() -> None:
+    samples = [
+        (LengthSample(source="s", category=c, prompt_chars=10, output_tokens=n), float(n))
+        for c, n in (("a", 100), ("b", 200), ("c", 300))
+    ]
+    out = expand_population(samples, 10)
+    assert len(out) == 10
+    assert sorted({n for _, n in out}) == [100, 200, 300]
+    assert max(sum(1 for _, n in out if n == k) for k in (100, 200, 300)) == 4
+    assert expand_population(samples, 0) == [] and expand_population([], 5) == []
+
+
+def test_fit_decode_model_recovers_the_step_line_from_decode_counters() -> None:
+    base, per_req, slots = 0.002, 0.0005, 8
+    readings: list[ServerReading] = []
+    t, tokens = 0.0, 0.0
+    # Saturated for 10 intervals, then a drain through batches 6, 4, 2, 1 (two intervals each), 0.25 s apart.
+    for batch in [slots] * 11 + [6, 6, 6, 4, 4, 4, 2, 2, 2, 1, 1, 1]:
+        if readings and readings[-1].running == batch:
+            tokens += batch / (base + per_req * batch) * 0.25
+        t += 0.25
+        readings.append(ServerReading(t, "s0", batch, 0, tokens, 0.0))
+    fitted = fit_decode_model(readings, slots)
+    assert fitted is not None
+    model, saturated, details = fitted
+    assert saturated == pytest.approx(slots / (base + per_req * slots))
+    assert model.step_base_s == pytest.approx(base)
+    assert model.step_per_req_s == pytest.approx(per_req)
+    assert details["single_request_tokens_per_s"] == pytest.approx(1 / (base + per_req), rel=1e-3)
+    assert fit_decode_model([], slots) is None
