@@ -54,7 +54,7 @@ from tasks import (
     validation,
 )
 
-__all__ = ["EnvironmentCheckFailed", "expand_dataset"]
+__all__ = ["EnvironmentCheckFailed", "expand_dataset", "finish_dataset"]
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,64 @@ catalog_task = task(name="catalog prompt ids", cache_policy=NO_CACHE, retries=1,
 )
 
 
+def finish_dataset(
+    spec: RunSpec,
+    layout: RunLayout,
+    chat: ChatTokenizer,
+    n_load_rejects: int,
+    shard_results: list[generation.ShardResult],
+    run_id: str | None,
+) -> tokenization.TokenizationSummary:
+    """Validate, gate, tokenize, gate again and write the dataset card: everything between generation and publish."""
+    summary = validate_task(
+        [Path(r.completions_path) for r in shard_results],
+        layout.validated_dir,
+        spec.validation,
+        spec.sampling.enable_thinking,
+    )
+    upstream_rejects = n_load_rejects + sum(r.n_rejected for r in shard_results)
+    gate = gate_task(summary, spec.quality_gate, upstream_rejects)
+    create_markdown_artifact(
+        markdown=validation.render_validation_report(summary, gate), key="validation-report", description="Validation"
+    )
+    if not gate.passed:
+        raise validation.QualityGateError(gate.text)
+
+    reject_paths = [
+        layout.load_rejects,
+        *(Path(r.rejects_path) for r in shard_results),
+        *(Path(p) for p in summary.reject_paths),
+    ]
+    tokenized = tokenize_task(
+        [Path(p) for p in summary.accepted_paths],
+        layout.staging_dir,
+        chat,
+        spec.sampling.enable_thinking,
+        extra_reject_paths=reject_paths,
+    )
+    # Rows can still fail the token round-trip check: the gate sees the final counts before anything ships.
+    final_gate = gate_task(summary, spec.quality_gate, upstream_rejects, tokenized.tokenize_rejected)
+    if not final_gate.passed:
+        raise validation.QualityGateError(final_gate.text)
+    write_dataset_card(
+        layout.staging_dir,
+        namespace=spec.namespace,
+        model=spec.served_model_name,
+        sampling=spec.sampling,
+        lineage=Lineage(
+            model_fingerprint=chat.fingerprint,
+            template_hash=chat.template_hash,
+            source_mix=tokenized.rows_by_source,
+            category_mix=tokenized.rows_by_category,
+            server_args=spec.server_args,
+            run_id=run_id,
+            created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        ),
+        sizes=tokenized.sizes(),
+    )
+    return tokenized
+
+
 @flow(
     name="expand-dataset",
     task_runner=cast("TaskRunner[PrefectFuture[Any]]", ThreadPoolTaskRunner(max_workers=SHARDS_IN_FLIGHT)),
@@ -204,52 +262,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         fleet.stop()
 
     shard_results.sort(key=lambda r: r.shard_id)
-    summary = validate_task(
-        [Path(r.completions_path) for r in shard_results],
-        layout.validated_dir,
-        spec.validation,
-        spec.sampling.enable_thinking,
-    )
-    upstream_rejects = plan.n_load_rejects + sum(r.n_rejected for r in shard_results)
-    gate = gate_task(summary, spec.quality_gate, upstream_rejects)
-    create_markdown_artifact(
-        markdown=validation.render_validation_report(summary, gate), key="validation-report", description="Validation"
-    )
-    if not gate.passed:
-        raise validation.QualityGateError(gate.text)
-
-    reject_paths = [
-        layout.load_rejects,
-        *(Path(r.rejects_path) for r in shard_results),
-        *(Path(p) for p in summary.reject_paths),
-    ]
-    tokenized = tokenize_task(
-        [Path(p) for p in summary.accepted_paths],
-        layout.staging_dir,
-        chat,
-        spec.sampling.enable_thinking,
-        extra_reject_paths=reject_paths,
-    )
-    # Rows can still fail the token round-trip check: the gate sees the final counts before anything ships.
-    final_gate = gate_task(summary, spec.quality_gate, upstream_rejects, tokenized.tokenize_rejected)
-    if not final_gate.passed:
-        raise validation.QualityGateError(final_gate.text)
-    write_dataset_card(
-        layout.staging_dir,
-        namespace=spec.namespace,
-        model=spec.served_model_name,
-        sampling=spec.sampling,
-        lineage=Lineage(
-            model_fingerprint=chat.fingerprint,
-            template_hash=chat.template_hash,
-            source_mix=tokenized.rows_by_source,
-            category_mix=tokenized.rows_by_category,
-            server_args=spec.server_args,
-            run_id=run_id,
-            created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-        ),
-        sizes=tokenized.sizes(),
-    )
+    tokenized = finish_dataset(spec, layout, chat, plan.n_load_rejects, shard_results, run_id)
     lineage = {
         "run_spec": spec.model_dump(mode="json"),
         "model_path": spec.model_path,

@@ -18,8 +18,6 @@ import secrets
 import socket
 import time
 from collections import Counter
-from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any, cast
 from uuid import UUID
 
@@ -41,22 +39,14 @@ from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 import datagen
 from datagen.chat import ChatTokenizer
-from datagen.dataset_card import Lineage, write_dataset_card
 from datagen.engine.dispatcher import Dispatcher
 from datagen.layout import RunLayout
 from datagen.records import Prompt
 from datagen.runspec import ExchangeSpec, MultiBoxSpec, RunSpec
 from datagen.settings import Settings
 from datagen.storage import ObjectStore, s3_preflight
-from flows.expand_dataset import (
-    check_environment_task,
-    gate_task,
-    plan_task,
-    publish_task,
-    tokenize_task,
-    validate_task,
-)
-from tasks import generation, provisioning, validation
+from flows.expand_dataset import check_environment_task, finish_dataset, plan_task, publish_task
+from tasks import generation, provisioning
 from tasks.planning import ShardPlan
 from tasks.shard_exchange import CheckpointSync, CollectedShard, Lease, ShardExchange, ShardExchangeError
 
@@ -317,50 +307,7 @@ def expand_dataset_multibox(
     shards_by_box = Counter(str(m["box"]) for m in markers)
     engine_versions = sorted({str(m["engine_version"]) for m in markers if m.get("engine_version")})
 
-    summary = validate_task(
-        [Path(r.completions_path) for r in shard_results],
-        layout.validated_dir,
-        spec.validation,
-        spec.sampling.enable_thinking,
-    )
-    upstream_rejects = plan.n_load_rejects + sum(r.n_rejected for r in shard_results)
-    gate = gate_task(summary, spec.quality_gate, upstream_rejects)
-    create_markdown_artifact(
-        markdown=validation.render_validation_report(summary, gate), key="validation-report", description="Validation"
-    )
-    if not gate.passed:
-        raise validation.QualityGateError(gate.text)
-    reject_paths = [
-        layout.load_rejects,
-        *(Path(r.rejects_path) for r in shard_results),
-        *(Path(p) for p in summary.reject_paths),
-    ]
-    tokenized = tokenize_task(
-        [Path(p) for p in summary.accepted_paths],
-        layout.staging_dir,
-        chat,
-        spec.sampling.enable_thinking,
-        extra_reject_paths=reject_paths,
-    )
-    final_gate = gate_task(summary, spec.quality_gate, upstream_rejects, tokenized.tokenize_rejected)
-    if not final_gate.passed:
-        raise validation.QualityGateError(final_gate.text)
-    write_dataset_card(
-        layout.staging_dir,
-        namespace=spec.namespace,
-        model=spec.served_model_name,
-        sampling=spec.sampling,
-        lineage=Lineage(
-            model_fingerprint=chat.fingerprint,
-            template_hash=chat.template_hash,
-            source_mix=tokenized.rows_by_source,
-            category_mix=tokenized.rows_by_category,
-            server_args=spec.server_args,
-            run_id=run_id,
-            created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-        ),
-        sizes=tokenized.sizes(),
-    )
+    tokenized = finish_dataset(spec, layout, chat, plan.n_load_rejects, shard_results, run_id)
     lineage = {
         "run_spec": spec.model_dump(mode="json"),
         "model_path": spec.model_path,
