@@ -5,13 +5,11 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from prefect.testing.utilities import prefect_test_harness
 
 from datagen import catalog
 from datagen.localstack import LocalS3
@@ -22,32 +20,6 @@ from flows.expand_dataset import expand_dataset
 from tasks.publishing import publish
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def prefect_api() -> Iterator[None]:
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
-@pytest.fixture
-def pipeline_env(monkeypatch: pytest.MonkeyPatch, local_s3: LocalS3, tmp_path: Path) -> dict[str, str]:
-    env = {
-        **local_s3.env(),
-        "DATAGEN_S3_PREFIX": f"expansion-{tmp_path.name}/",
-        "DATAGEN_ENGINE": "standin",
-        "DATAGEN_NUM_SERVERS": "2",
-        "DATAGEN_BASE_PORT": "0",
-        "DATAGEN_SKIP_GPU_CHECKS": "true",
-        "DATAGEN_REQUIRE_TMPFS_MODEL": "false",
-        "DATAGEN_WORK_DIR": str(tmp_path / "work"),
-        "DATAGEN_SERVER_START_TIMEOUT_S": "120",
-        "DATAGEN_STANDIN_LENGTH_MEAN": "120",
-        "DATAGEN_STANDIN_LENGTH_MAX": "400",
-    }
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    return env
 
 
 def _write(path: Path, label: str, n: int, start: int = 0) -> None:

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from datasets import load_dataset
 from prefect import flow
-from prefect.testing.utilities import prefect_test_harness
 from pydantic import SecretStr
 
 from datagen.chat import ChatTokenizer
@@ -70,12 +68,6 @@ def _expected_messages(row: dict[str, Any]) -> list[Message]:
 
 
 @pytest.fixture(scope="module")
-def prefect_api() -> Iterator[None]:
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
-@pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_model_dir()
 
@@ -87,26 +79,6 @@ def prompt_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     lines.insert(20, MALFORMED_LINES[1])
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
-
-
-@pytest.fixture
-def pipeline_env(monkeypatch: pytest.MonkeyPatch, local_s3: LocalS3, tmp_path: Path, model_dir: Path) -> dict[str, str]:
-    env = {
-        **local_s3.env(),
-        "DATAGEN_S3_PREFIX": f"e2e-{tmp_path.name}/",
-        "DATAGEN_ENGINE": "standin",
-        "DATAGEN_NUM_SERVERS": "2",
-        "DATAGEN_BASE_PORT": "0",
-        "DATAGEN_SKIP_GPU_CHECKS": "true",
-        "DATAGEN_REQUIRE_TMPFS_MODEL": "false",
-        "DATAGEN_WORK_DIR": str(tmp_path / "work"),
-        "DATAGEN_SERVER_START_TIMEOUT_S": "120",
-        "DATAGEN_STANDIN_LENGTH_MEAN": "120",
-        "DATAGEN_STANDIN_LENGTH_MAX": "400",
-    }
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    return env
 
 
 def _spec(prompt_file: Path, model_dir: Path, namespace: str) -> RunSpec:

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from prefect.testing.utilities import prefect_test_harness
 
 from datagen.layout import RunLayout
-from datagen.localstack import LocalS3
 from datagen.model_fixture import ensure_model_dir
 from datagen.records import Prompt
 from datagen.runspec import PromptSource, QualityGate, RunSpec, SamplingSpec
@@ -28,32 +25,6 @@ from tasks.pilot import (
     fit_decode_model,
     simulate_wall,
 )
-
-
-@pytest.fixture(scope="module")
-def prefect_api() -> Iterator[None]:
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
-@pytest.fixture
-def pipeline_env(monkeypatch: pytest.MonkeyPatch, local_s3: LocalS3, tmp_path: Path) -> dict[str, str]:
-    env = {
-        **local_s3.env(),
-        "DATAGEN_S3_PREFIX": f"pilot-{tmp_path.name}/",
-        "DATAGEN_ENGINE": "standin",
-        "DATAGEN_NUM_SERVERS": "2",
-        "DATAGEN_BASE_PORT": "0",
-        "DATAGEN_SKIP_GPU_CHECKS": "true",
-        "DATAGEN_REQUIRE_TMPFS_MODEL": "false",
-        "DATAGEN_WORK_DIR": str(tmp_path / "work"),
-        "DATAGEN_SERVER_START_TIMEOUT_S": "120",
-        "DATAGEN_STANDIN_LENGTH_MEAN": "120",
-        "DATAGEN_STANDIN_LENGTH_MAX": "400",
-    }
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    return env
 
 
 def _lines(paths: list[Path]) -> set[bytes]:
