@@ -141,8 +141,12 @@ def test_run_started_from_the_ui_form_completes(ui_stack: UiStack, tmp_path: Pat
             fill("Context Length (Optional)", "8192")
             page.get_by_role("button", name="Submit", exact=True).click()
 
-            # The UI creates the run and shows it in the deployment's Runs tab; open it from there.
-            flow_run = _wait_for_run_named(ui_stack.api, deployment["id"], run_name)
+            # The UI creates the run and shows it in the deployment's Runs tab; open it from there. On a loaded
+            # 2-core machine the UI's request can take a while: wait generously, and show the page if it never comes.
+            try:
+                flow_run = _wait_for_run_named(ui_stack.api, deployment["id"], run_name, timeout=180.0)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; page at {page.url} shows:\n{page.inner_text('body')[:3000]}") from None
             page.get_by_role("link", name=run_name).first.click()
             page.wait_for_url(f"**/runs/flow-run/{flow_run['id']}**", timeout=30_000)
             run = ui_stack.api.wait_for_flow_run(flow_run["id"], RUN_TIMEOUT_S, diagnostics=ui_stack.worker_log)
