@@ -263,6 +263,22 @@ def test_a_port_already_in_use_fails_before_anything_starts(tmp_path: Path) -> N
 
 
 @pytest.mark.usefixtures("fast_standin")
+def test_chosen_ports_taken_before_start_are_chosen_again(tmp_path: Path, leftovers: list[int]) -> None:
+    settings, spec, layout = make(tmp_path, 2, base_port=0)
+    fleet = provision(settings, spec, layout, KEY)
+    chosen = fleet.settings.base_port
+    assert 20000 <= chosen < chosen + 1 < 32768  # below the kernel's ephemeral range
+    with socket.socket() as squatter:  # another process takes a chosen port between planning and start
+        squatter.bind(("127.0.0.1", chosen + 1))
+        squatter.listen()
+        with fleet:
+            leftovers.extend(fleet.pids().values())
+            assert fleet.settings.base_port != chosen
+            assert [e.url for e in fleet] == [f"http://127.0.0.1:{fleet.settings.base_port + i}" for i in range(2)]
+            assert all(healthy(e.url) for e in fleet)
+
+
+@pytest.mark.usefixtures("fast_standin")
 def test_attach_mode_checks_health_and_never_stops_the_servers(tmp_path: Path, leftovers: list[int]) -> None:
     owner_settings, spec, layout = make(tmp_path, 1)
     with ServerFleet(owner_settings, spec, layout, KEY) as owner:  # "managed elsewhere"

@@ -247,14 +247,20 @@ def _free_ports(n: int, exclude: Iterable[int]) -> list[int]:
     return ports
 
 
+# Below Linux's default ephemeral range (32768-60999): the kernel never hands these ports to an outgoing
+# connection or a port-0 bind, so a port found free stays free unless someone asks for it by number.
+_AUTO_PORT_RANGE = (20000, 32768)
+
+
 def _free_base_port(n: int, attempts: int = 200) -> int:
     """A port P with P..P+n-1 all free now (Settings.base_port 0: tests and the demo share one machine)."""
     rng = random.Random()
     for _ in range(attempts):
-        base = rng.randrange(20000, 60000 - n)
+        base = rng.randrange(_AUTO_PORT_RANGE[0], _AUTO_PORT_RANGE[1] - n)
         if all(_port_is_free(base + i) for i in range(n)):
             return base
-    raise PortInUseError("fleet", f"found no {n} consecutive free ports between 20000 and 60000", None, ())
+    lo, hi = _AUTO_PORT_RANGE
+    raise PortInUseError("fleet", f"found no {n} consecutive free ports between {lo} and {hi}", None, ())
 
 
 def _port_is_free(port: int) -> bool:
@@ -373,7 +379,9 @@ class ServerFleet(Sequence[ServerEndpoint]):
         stop_grace_s: float = STOP_GRACE_S,
         attach_timeout_s: float = ATTACH_HEALTH_TIMEOUT_S,
     ) -> None:
-        if settings.base_port == 0 and not settings.server_urls:
+        # Base port 0: the fleet picks free ports itself, and picks again at start() if one was taken since.
+        self._auto_ports = settings.base_port == 0 and not settings.server_urls
+        if self._auto_ports:
             settings = settings.model_copy(update={"base_port": _free_base_port(settings.num_servers)})
         self.settings = settings
         self.spec = spec
@@ -393,20 +401,23 @@ class ServerFleet(Sequence[ServerEndpoint]):
                 _Server(name=f"server-{i}", url=url.rstrip("/"), index=i) for i, url in enumerate(settings.server_urls)
             ]
         else:
-            nccl_ports = _free_ports(
-                settings.num_servers, exclude=range(settings.base_port, settings.base_port + settings.num_servers)
+            self._servers = self._plan_servers(settings)
+
+    def _plan_servers(self, settings: Settings) -> list[_Server]:
+        """One server per GPU on base_port + i, each with its own NCCL port outside the serving ports."""
+        serving = range(settings.base_port, settings.base_port + settings.num_servers)
+        nccl_ports = _free_ports(settings.num_servers, exclude=serving)
+        return [
+            _Server(
+                name=f"gpu{i}",
+                url=_url(settings.server_host, settings.base_port + i),
+                index=i,
+                argv=server_command(settings, self.spec, i, self._api_key, nccl_ports[i]),
+                env=server_env(i),
+                log_path=self.layout.logs_dir / f"server-{i}.log",
             )
-            for i in range(settings.num_servers):
-                self._servers.append(
-                    _Server(
-                        name=f"gpu{i}",
-                        url=_url(settings.server_host, settings.base_port + i),
-                        index=i,
-                        argv=server_command(settings, spec, i, api_key, nccl_ports[i]),
-                        env=server_env(i),
-                        log_path=layout.logs_dir / f"server-{i}.log",
-                    )
-                )
+            for i in range(settings.num_servers)
+        ]
 
     # Sequence[ServerEndpoint] ---------------------------------------------------------------------
 
@@ -458,8 +469,7 @@ class ServerFleet(Sequence[ServerEndpoint]):
         _register(self)
         try:
             self.layout.logs_dir.mkdir(parents=True, exist_ok=True)
-            for server in self._servers:
-                self._check_port_free(server)
+            self._claim_ports()
             for server in self._servers:
                 self._launch(server, note="starting")
             self._wait_all(self._servers, self.settings.server_start_timeout_s)
@@ -520,6 +530,22 @@ class ServerFleet(Sequence[ServerEndpoint]):
             if s.name == name:
                 return s
         raise KeyError(f"no server named {name!r} (have {', '.join(s.name for s in self._servers)})")
+
+    def _claim_ports(self, attempts: int = 5) -> None:
+        """Fail before launching anything if a serving port answers; with chosen ports, choose again."""
+        for attempt in range(attempts):
+            try:
+                for server in self._servers:
+                    self._check_port_free(server)
+                return
+            except PortInUseError as exc:
+                if not self._auto_ports or attempt == attempts - 1:
+                    raise
+                logger.warning("%s; choosing other ports", exc)
+                self.settings = self.settings.model_copy(
+                    update={"base_port": _free_base_port(self.settings.num_servers)}
+                )
+                self._servers = self._plan_servers(self.settings)
 
     def _check_port_free(self, server: _Server) -> None:
         parts = urlsplit(server.url)
