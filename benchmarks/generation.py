@@ -5,6 +5,13 @@
 Measures how close the dispatcher keeps the servers to their ideal capacity (the stand-in's timing model at a
 full batch), the client's CPU per request and its memory; then runs 1x and 10x prompts with short outputs to
 show that memory stays flat (prompts are streamed, not loaded).
+
+The same prompts run twice: in file order (FIFO) and long outputs first (the order the pipeline plans after a
+pilot). Every server uses the same seed, so a prompt's output length depends on the prompt alone (the stand-in
+draws it from a hash of the prompt's token ids). Each prompt carries a category, the band its length falls in
+(short / medium / long, with the lognormal's own shares, so the length distribution is unchanged), as real data
+carries a topic that correlates with output length. Long-first fits `tasks.ordering.LengthModel` on a 10% sample
+of (category, prompt length, output tokens), i.e. what a pilot observes, and never sees the other lengths.
 """
 
 from __future__ import annotations
@@ -12,13 +19,16 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import itertools
 import json
 import os
+import random
 import re
 import resource
 import tempfile
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,8 +42,11 @@ from datagen.layout import RunLayout
 from datagen.model_fixture import ensure_model_dir
 from datagen.records import Prompt, prompt_id_for
 from datagen.runspec import RunSpec, SamplingSpec
+from datagen.standin.knobs import Knobs
+from datagen.standin.synthetic import SyntheticModel
 from datagen.standin.testing import run_standin
 from tasks.generation import generate_shard
+from tasks.ordering import LengthModel, LengthSample, prompt_chars
 
 __all__ = ["main", "run_once"]
 
@@ -170,17 +183,63 @@ def _phases(samples: list[_Sample], n_requests: int, slots: int, ideal: float) -
     }
 
 
-def _write_shards(layout: RunLayout, shards: int, per_shard: int, tag: str) -> None:
+# Output-length bands (tokens) that name a prompt's category.
+BANDS = (("short", 0, 800), ("medium", 800, 2500), ("long", 2500, 1 << 30))
+PILOT_SHARE = 0.10
+
+
+def _simple_prompts(n_prompts: int, tag: str) -> Iterator[Prompt]:
+    """Short prompts, generated as they are written (the memory runs must not hold them)."""
+    for n in range(n_prompts):
+        messages = [{"role": "user", "content": f"[{tag}] Problem {n}: explain step by step why {n} * 3 = {n * 3}."}]
+        yield Prompt(prompt_id_for(tag, messages), tag, n, messages)
+
+
+def _categorized_prompts(
+    chat: ChatTokenizer, knobs: Knobs, n_prompts: int, max_new_tokens: int, seed: int
+) -> tuple[list[Prompt], dict[str, int]]:
+    """Prompts of varied length, each labelled with its output-length band; also every prompt's true length."""
+    synthetic = SyntheticModel(chat, knobs)
+    rng = random.Random(seed)
+    verbs = ("why", "how", "list", "prove", "compare", "sketch", "derive", "outline")
+    prompts, lengths = [], {}
+    for n in range(n_prompts):
+        words = " ".join(rng.choice(verbs) for _ in range(rng.randint(3, 40)))
+        messages = [{"role": "user", "content": f"Request {n}: {words}."}]
+        ids = chat.prompt_ids(messages, True)
+        length = len(synthetic.plan(ids, max_new_tokens=max_new_tokens).ids)
+        category = next(name for name, lo, hi in BANDS if lo <= length < hi)
+        prompt = Prompt(prompt_id_for("bench", messages), "bench", n, messages, category=category)
+        prompts.append(prompt)
+        lengths[prompt.prompt_id] = length
+    return prompts, lengths
+
+
+def _long_first(prompts: list[Prompt], lengths: dict[str, int], seed: int) -> tuple[list[Prompt], dict[str, Any]]:
+    """The prompts by predicted length, longest first, from a length model fitted on a pilot-sized sample."""
+    sample = random.Random(seed).sample(prompts, max(1, round(PILOT_SHARE * len(prompts))))
+    model = LengthModel.fit(
+        LengthSample(
+            source=p.source, category=p.category, prompt_chars=prompt_chars(p), output_tokens=lengths[p.prompt_id]
+        )
+        for p in sample
+    )
+    ordered = sorted(prompts, key=model.predict, reverse=True)  # stable: ties keep file order
+    return ordered, {"pilot_samples": len(sample), "length_model": model.model_dump()}
+
+
+def _write_shards(layout: RunLayout, prompts: Iterable[Prompt], shards: int, per_shard: int) -> int:
+    """Cut `prompts`, in their order, into shards of `per_shard`; return how many were written."""
+    it = iter(prompts)
+    written = 0
     for s in range(shards):
         path = layout.shard_prompts(s)
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as f:
-            for i in range(per_shard):
-                n = s * per_shard + i
-                messages = [
-                    {"role": "user", "content": f"[{tag}] Problem {n}: explain step by step why {n} * 3 = {n * 3}."}
-                ]
-                f.write(Prompt(prompt_id_for(tag, messages), tag, n, messages).to_json() + "\n")
+            for prompt in itertools.islice(it, per_shard):
+                f.write(prompt.to_json() + "\n")
+                written += 1
+    return written
 
 
 def run_once(
@@ -188,6 +247,7 @@ def run_once(
     chat: ChatTokenizer,
     work_dir: Path,
     *,
+    prompts: Iterable[Prompt],
     shards: int,
     per_shard: int,
     max_new_tokens: int,
@@ -195,12 +255,12 @@ def run_once(
     tag: str,
     ideal: float | None = None,
 ) -> dict[str, Any]:
-    """Generate `shards` x `per_shard` prompts through one dispatcher; return throughput and memory numbers.
+    """Generate `prompts` (in this order, cut into `shards`) through one dispatcher; return throughput and memory.
 
     With `ideal` (tok/s), also sample the servers and split utilization into steady state and end-of-run tail.
     """
     layout = RunLayout(work_dir / tag)
-    _write_shards(layout, shards, per_shard, tag)
+    n_written = _write_shards(layout, prompts, shards, per_shard)
     spec = RunSpec(model_path=str(chat.model_dir), sampling=SamplingSpec(max_new_tokens=max_new_tokens))
     pids = [_standin_pid(int(ep.url.rsplit(":", 1)[1])) for ep in endpoints]
     with contextlib.ExitStack() as stack:
@@ -221,7 +281,7 @@ def run_once(
         server_cpu = [_cpu_s(p) - c for p, c in zip(pids, server_cpu0, strict=True)]
         stats = dispatcher.stats()
     n = sum(r.n_prompts for r in results)
-    assert n == sum(r.n_completed + r.n_rejected for r in results) == shards * per_shard
+    assert n == sum(r.n_completed + r.n_rejected for r in results) == n_written
     tokens = sum(r.output_tokens for r in results)
     out: dict[str, Any] = {
         "prompts": n,
@@ -266,6 +326,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-per-req-ms", type=float, default=0.2)
     ap.add_argument("--tokens-per-step", type=int, default=256)
     ap.add_argument("--memory-per-shard", type=int, default=50, help="1x prompts per shard of the memory runs")
+    ap.add_argument(
+        "--order",
+        choices=("both", "fifo", "long-first"),
+        default="both",
+        help="dispatch order(s) of the main run; `utilization` reports long-first when it runs (the pipeline's order "
+        "after a pilot), FIFO otherwise",
+    )
+    ap.add_argument("--seed", type=int, default=7, help="prompt texts and the pilot sample")
     args = ap.parse_args(argv)
 
     env = {
@@ -278,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         "DATAGEN_STANDIN_STEP_PER_REQ_MS": str(args.step_per_req_ms),
         "DATAGEN_STANDIN_TIME_SCALE": str(args.time_scale),
         "DATAGEN_STANDIN_TOKENS_PER_STEP": str(args.tokens_per_step),
+        "DATAGEN_STANDIN_SEED": "0",  # every server draws the same output for a prompt: the orders are comparable
     }
     # The stand-in's step costs tokens_per_step x (base + per_req x batch) x time_scale ms for
     # tokens_per_step tokens per running request, so a full batch decodes this many tokens/s:
@@ -291,36 +360,68 @@ def main(argv: list[str] | None = None) -> int:
                 run_standin(
                     chat.model_dir,
                     args=("--max-running-requests", str(args.slots), "--enable-metrics"),
-                    env={**env, "DATAGEN_STANDIN_SEED": str(i)},
+                    env=env,
                 )
             )
-            for i in range(args.servers)
+            for _ in range(args.servers)
         ]
-        main_run = run_once(
+        prompts, lengths = _categorized_prompts(
+            chat, Knobs.from_env(env), args.shards * args.per_shard, args.length_max, args.seed
+        )
+        ordered, pilot = _long_first(prompts, lengths, args.seed)
+        orders = {"fifo": prompts, "long-first": ordered}
+        runs: dict[str, dict[str, Any]] = {}
+        for name in ("fifo", "long-first") if args.order == "both" else (args.order,):
+            runs[name] = run_once(
+                endpoints,
+                chat,
+                work,
+                prompts=orders[name],
+                shards=args.shards,
+                per_shard=args.per_shard,
+                max_new_tokens=args.length_max,
+                workers=args.workers,
+                tag=name,
+                ideal=ideal,
+            )
+        main_name = "long-first" if "long-first" in runs else "fifo"
+        main_run = runs[main_name]
+        small = dict(shards=args.shards, max_new_tokens=16, workers=args.workers)
+        mem_1x = run_once(
             endpoints,
             chat,
             work,
-            shards=args.shards,
-            per_shard=args.per_shard,
-            max_new_tokens=args.length_max,
-            workers=args.workers,
-            tag="main",
-            ideal=ideal,
+            prompts=_simple_prompts(args.shards * args.memory_per_shard, "mem1x"),
+            per_shard=args.memory_per_shard,
+            tag="mem1x",
+            **small,
         )
-        small = dict(shards=args.shards, max_new_tokens=16, workers=args.workers)
-        mem_1x = run_once(endpoints, chat, work, per_shard=args.memory_per_shard, tag="mem1x", **small)
-        mem_10x = run_once(endpoints, chat, work, per_shard=10 * args.memory_per_shard, tag="mem10x", **small)
+        mem_10x = run_once(
+            endpoints,
+            chat,
+            work,
+            prompts=_simple_prompts(args.shards * 10 * args.memory_per_shard, "mem10x"),
+            per_shard=10 * args.memory_per_shard,
+            tag="mem10x",
+            **small,
+        )
 
     report = {
         "config": vars(args) | {"out": str(args.out)},
         "ideal_tokens_per_s": ideal,
         "output_tokens_per_s": main_run["output_tokens_per_s"],
+        "order": main_name,
         "utilization": main_run["output_tokens_per_s"] / ideal,
+        "utilization_by_order": {k: r["output_tokens_per_s"] / ideal for k, r in runs.items()},
         "steady_utilization": main_run["steady_utilization"],
         "tail_share_of_wall": main_run["tail_share_of_wall"],
         "client_cpu_ms_per_request": main_run["client_cpu_ms_per_request"],
         "peak_rss_mb": main_run["peak_rss_mb"],
         "main": main_run,
+        "runs": runs,
+        "true_mean_output_tokens": sum(lengths.values()) / len(lengths),
+        "category_counts": {c: sum(p.category == c for p in prompts) for c, _, _ in BANDS},
+        "pilot": pilot,
         "memory_1x": mem_1x,
         "memory_10x": mem_10x,
         "memory_growth_10x_mb": mem_10x["peak_rss_mb"] - mem_1x["peak_rss_mb"],
@@ -328,14 +429,17 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_count": os.cpu_count(),
     }
     args.out.write_text(json.dumps(report, indent=2))
-    print(f"{'run':8} {'prompts':>8} {'tokens':>10} {'wall s':>7} {'tok/s':>9} {'cpu ms/req':>10} {'peak MB':>8}")
-    for name, r in (("main", main_run), ("mem 1x", mem_1x), ("mem 10x", mem_10x)):
+    print(f"{'run':10} {'prompts':>8} {'tokens':>10} {'wall s':>7} {'tok/s':>9} {'cpu ms/req':>10} {'peak MB':>8}")
+    for name, r in (*runs.items(), ("mem 1x", mem_1x), ("mem 10x", mem_10x)):
         print(
-            f"{name:8} {r['prompts']:>8} {r['output_tokens']:>10} {r['wall_s']:>7.1f} {r['output_tokens_per_s']:>9.0f} "
+            f"{name:10} {r['prompts']:>8} {r['output_tokens']:>10} {r['wall_s']:>7.1f} "
+            f"{r['output_tokens_per_s']:>9.0f} "
             f"{r['client_cpu_ms_per_request']:>10.2f} {r['peak_rss_mb']:>8.0f}"
         )
+    for name, r in runs.items():
+        print(f"utilization {name}: {r['output_tokens_per_s'] / ideal:.1%}")
     print(
-        f"ideal {ideal:.0f} tok/s; utilization {report['utilization']:.1%} over the whole run, "
+        f"[{main_name}] ideal {ideal:.0f} tok/s; utilization {report['utilization']:.1%} over the whole run, "
         f"{main_run['steady_utilization']:.1%} in steady state ({main_run['steady_s']:.1f} s after a "
         f"{main_run['ramp_s']:.1f} s ramp, slot occupancy "
         f"{main_run['steady_slot_occupancy']:.1%}); tail {main_run['tail_s']:.1f} s = "

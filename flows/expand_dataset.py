@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import secrets
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -29,7 +28,6 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import FlowRunContext, TaskRunContext
 from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
-from pydantic import SecretStr
 
 import datagen
 from datagen import catalog
@@ -237,7 +235,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         reused = import_pilot_task(RunLayout.for_run(settings.work_dir, spec.pilot), layout, plan, spec, chat)
         logger.info("reused %d completions of pilot %s", reused.imported_completions, spec.pilot)
 
-    api_key = settings.sglang_api_key or SecretStr(secrets.token_urlsafe(24))
+    api_key = provisioning.api_key_for(settings)
     shard_results: list[generation.ShardResult] = []
     fleet = provisioning.provision(settings, spec, layout, api_key)
     try:

@@ -288,7 +288,7 @@ def generate_shard(
         rejects.sync_if_due()
 
     try:
-        for prompt in _read_prompts(prompts_path):
+        for row, prompt in enumerate(_read_prompts(prompts_path)):
             key = key_of(prompt)
             if key in settled or key in seen:
                 continue
@@ -305,7 +305,8 @@ def generate_shard(
                 )
                 rejects.write(_reject(prompt, key, "prompt_too_long", detail).to_json())
                 continue
-            inflight[dispatcher.submit(GenerateJob(ids, sampling, label=prompt.prompt_id))] = (prompt, key, len(ids))
+            job = GenerateJob(ids, sampling, label=prompt.prompt_id, order=(shard_id, row))  # the plan's order
+            inflight[dispatcher.submit(job)] = (prompt, key, len(ids))
             n_sent += 1
             while len(inflight) >= window:
                 harvest(flush_interval_s)

@@ -23,7 +23,12 @@ __all__ = ["ServerFleet", "ServerStartError", "api_key_for", "provision"]
 
 def api_key_for(settings: Settings) -> SecretStr:
     """The configured server API key, or a fresh random one for servers this run starts."""
-    return settings.sglang_api_key or SecretStr(secrets.token_urlsafe(24))
+    return settings.sglang_api_key or new_api_key()
+
+
+def new_api_key() -> SecretStr:
+    """A random key of 32 URL-safe characters that never starts with "-" (it would read as a flag elsewhere)."""
+    return SecretStr("k" + secrets.token_urlsafe(24))
 
 
 def provision(settings: Settings, spec: RunSpec, layout: RunLayout, api_key: SecretStr) -> ServerFleet:

@@ -140,6 +140,30 @@ def test_keeps_each_server_at_capacity_plus_queue_and_never_above() -> None:
     assert {s.name: s.capacity for s in stats.servers} == {"a": 2, "b": 2}
 
 
+def test_waiting_requests_go_out_in_plan_order_whoever_submitted_them_first() -> None:
+    fake = FakeServers()
+    gate = threading.Event()
+    arrived: list[int] = []
+
+    async def gated(name: str, body: dict[str, Any]) -> httpx.Response:
+        arrived.append(body["input_ids"][0])
+        while not gate.is_set():
+            await asyncio.sleep(0.01)
+        return ok(body)
+
+    fake.generate = {"a": gated}
+    with dispatcher(fake, names=("a",)) as d:
+        blockers = [d.submit(GenerateJob([100 + i, 1], SAMPLING, order=(0, i))) for i in range(3)]  # 2 + queue 1
+        # Shard workers submit concurrently: later shards' rows can reach the queue before earlier ones.
+        orders = [(4, 0), (2, 5), (3, 1), (2, 0), (1, 9), (3, 0)]
+        waiting = [d.submit(GenerateJob([i, 1], SAMPLING, order=o)) for i, o in enumerate(orders)]
+        assert d.stats().queued == len(orders)  # all queued before any slot frees
+        gate.set()
+        results(blockers + waiting)
+    assert arrived[:3] == [100, 101, 102]
+    assert [orders[i] for i in arrived[3:]] == sorted(orders)
+
+
 def test_submit_is_safe_from_many_threads() -> None:
     fake = FakeServers()
     with dispatcher(fake) as d, concurrent.futures.ThreadPoolExecutor(8) as pool:

@@ -26,7 +26,7 @@ from datagen.layout import RunLayout
 from datagen.model_fixture import ensure_model_dir
 from datagen.runspec import RunSpec
 from datagen.settings import Settings
-from tasks.provisioning import api_key_for, provision
+from tasks.provisioning import api_key_for, new_api_key, provision
 
 pytestmark = pytest.mark.slow
 
@@ -126,7 +126,7 @@ def test_fleet_starts_servers_restarts_a_dead_one_and_stops_all(tmp_path: Path, 
         info = httpx.get(f"{fleet[0].url}/server_info", timeout=10)
         assert info.status_code == 401
         log = (layout.logs_dir / "server-1.log").read_text()
-        assert "CUDA_VISIBLE_DEVICES=1" in log and "--api-key '***'" in log
+        assert "CUDA_VISIBLE_DEVICES=1" in log and "'--api-key=***'" in log and KEY.get_secret_value() not in log
         assert KEY.get_secret_value() not in log
 
         os.killpg(pids["gpu1"], signal.SIGKILL)  # a crashed server
@@ -276,6 +276,20 @@ def test_chosen_ports_taken_before_start_are_chosen_again(tmp_path: Path, leftov
             assert fleet.settings.base_port != chosen
             assert [e.url for e in fleet] == [f"http://127.0.0.1:{fleet.settings.base_port + i}" for i in range(2)]
             assert all(healthy(e.url) for e in fleet)
+
+
+@pytest.mark.usefixtures("fast_standin")
+def test_a_key_that_starts_with_a_dash_still_starts_the_servers(tmp_path: Path, leftovers: list[int]) -> None:
+    # token_urlsafe keys start with "-" one time in 64; "--api-key -x..." made argparse exit 2 (a CI failure).
+    settings, spec, layout = make(tmp_path, 1)
+    key = SecretStr("-dash-first-key")
+    with provision(settings, spec, layout, key) as fleet:
+        leftovers.extend(fleet.pids().values())
+        url = fleet[0].url
+        headers = {"Authorization": "Bearer -dash-first-key"}
+        assert httpx.get(f"{url}/v1/models", headers=headers, timeout=10).status_code == 200
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer other"}, timeout=10).status_code == 401
+    assert all(not new_api_key().get_secret_value().startswith("-") for _ in range(2000))
 
 
 @pytest.mark.usefixtures("fast_standin")

@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import heapq
+import itertools
 import logging
 import random
 import threading
@@ -81,6 +83,9 @@ class GenerateJob:
     input_ids: list[int]
     sampling: dict[str, Any]
     label: str = ""  # e.g. the prompt id; only for log lines
+    # Plan position, e.g. (shard, row): lower goes out first, whichever thread submitted it and when. Shard
+    # workers submit concurrently, so without it the plan's order (long outputs first) would be interleaved away.
+    order: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +146,11 @@ class _Work:
     started: bool = False
     last_server: str = ""
     errors: list[str] = field(default_factory=list)
+    seq: int = 0  # arrival number: ties in job.order go first come, first served
+
+    def queue_key(self, requeued: bool) -> tuple[int, tuple[int, ...], int]:
+        # Requeued work (its server went down, or a retry came due) goes before anything not yet started.
+        return (0 if requeued else 1, self.job.order, self.seq)
 
 
 @dataclass(eq=False, slots=True)
@@ -245,7 +255,9 @@ class Dispatcher:
         factory = client_factory or (lambda e: SGLangClient(e, max_connections=max_connections_per_server))
 
         self._servers = [_Server(endpoint=e, client=factory(e)) for e in endpoints]
-        self._pending: collections.deque[_Work] = collections.deque()
+        # Waiting requests as a heap of (Work.queue_key(), work): plan order, requeued work first.
+        self._pending: list[tuple[tuple[int, tuple[int, ...], int], _Work]] = []
+        self._arrivals = itertools.count()
         self._delayed: dict[_Work, asyncio.TimerHandle] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._closed = False
@@ -364,7 +376,8 @@ class Dispatcher:
             return
         if not self._busy():
             self._last_progress = time.monotonic()
-        self._pending.append(work)
+        work.seq = next(self._arrivals)
+        heapq.heappush(self._pending, (work.queue_key(requeued=False), work))
         self._pump()
 
     def _busy(self) -> bool:
@@ -384,11 +397,11 @@ class Dispatcher:
     def _pump(self) -> None:
         """Start queued requests while any server has room."""
         while self._pending and not self._closed:
-            work = self._pending[0]
+            work = self._pending[0][1]
             server = self._pick(work.last_server)
             if server is None:
                 return
-            self._pending.popleft()
+            heapq.heappop(self._pending)
             if work.future.done():
                 continue
             if not work.started:
@@ -493,7 +506,7 @@ class Dispatcher:
 
     def _requeue_now(self, work: _Work) -> None:
         if not work.future.done():
-            self._pending.appendleft(work)
+            heapq.heappush(self._pending, (work.queue_key(requeued=True), work))
 
     def _requeue_front(self, server: _Server) -> None:
         """Cancel a server's in-flight requests and put them back at the front of the queue."""
@@ -580,7 +593,7 @@ class Dispatcher:
             self._finish(work, exc)
         self._delayed.clear()
         while self._pending:
-            self._finish(self._pending.popleft(), exc)
+            self._finish(heapq.heappop(self._pending)[1], exc)
         for s in self._servers:
             for task, work in list(s.inflight.items()):
                 task.cancel()

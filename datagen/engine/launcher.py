@@ -126,8 +126,7 @@ def launch_flags(settings: Settings, spec: RunSpec, port: int, api_key: str, ncc
         settings.server_host,
         "--port",
         str(port),
-        "--api-key",
-        api_key,
+        f"--api-key={api_key}",  # one token: a key that starts with "-" must not read as a flag
         "--tp-size",
         "1",  # one server per GPU: PCIe-only boxes, no tensor parallelism
         "--reasoning-parser",
