@@ -4,7 +4,8 @@
         fleet.endpoints          # list[ServerEndpoint], one per healthy server
         fleet.restart("gpu3")    # the dispatcher's on_server_down callback
 
-Every server the pipeline started is stopped when the block ends, however it ends.
+Every server the pipeline started is stopped when the block ends, however it ends; when the process is
+killed outright (SIGKILL, OOM killer), `stop_leftover_servers` at the start of the next run stops them.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ import secrets
 
 from pydantic import SecretStr
 
-from datagen.engine.launcher import ServerFleet, ServerStartError
+from datagen.engine.launcher import ServerFleet, ServerStartError, reap_orphaned_servers
 from datagen.layout import RunLayout
 from datagen.runspec import RunSpec
 from datagen.settings import Settings
 
-__all__ = ["ServerFleet", "ServerStartError", "api_key_for", "provision"]
+__all__ = ["ServerFleet", "ServerStartError", "api_key_for", "new_api_key", "provision", "stop_leftover_servers"]
 
 
 def api_key_for(settings: Settings) -> SecretStr:
@@ -34,3 +35,13 @@ def new_api_key() -> SecretStr:
 def provision(settings: Settings, spec: RunSpec, layout: RunLayout, api_key: SecretStr) -> ServerFleet:
     """A fleet to use as a context manager: servers start (or are health-checked) on entry, stop on exit."""
     return ServerFleet(settings, spec, layout, api_key)
+
+
+def stop_leftover_servers(settings: Settings) -> list[str]:
+    """Stop servers that an earlier pipeline on this box started and, killed, never stopped; what was stopped.
+
+    Only servers recorded under `settings.work_dir` whose pipeline process is gone; attach mode never stops any.
+    """
+    if settings.server_urls:
+        return []
+    return reap_orphaned_servers(settings.work_dir)

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -153,6 +154,14 @@ def _standin_ports(work_dir: Path) -> list[int]:
     return ports
 
 
+def _port_answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
 def _metric(text: str, name: str) -> float:
     match = re.search(rf"^sglang:{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
     assert match, f"/metrics has no sglang:{name}"
@@ -228,15 +237,16 @@ def test_sigkill_mid_generation_then_rerun_yields_every_prompt_once(local_s3: Lo
         counters = [_drained_counters(port) for port in ports]
         received_first = int(sum(c["num_requests_total"] for c in counters))
         aborted_at_kill = int(sum(c["num_aborted_requests_total"] for c in counters))
-        _kill_all(work_dir)
 
-        # Run 2: the same flow, same spec, a fresh process and fresh servers.
+        # Run 2: the same flow, same spec, a fresh process and fresh servers; it first stops run 1's orphans.
         second = _run_flow(env, spec_path, tmp_path / "second.json", log)
         try:
             rc = second.wait(timeout=900)
         except subprocess.TimeoutExpired:
             pytest.fail(f"the second run did not finish within 900 s:\n{_tail(log)}")
         assert rc == 0, f"the second run failed (exit {rc}):\n{_tail(log)}"
+        assert log.read_text().count("left running by a pipeline that was killed") >= NUM_SERVERS, _tail(log)
+        assert not any(_port_answers(port) for port in ports), "run 1's servers outlived run 2"
     outcome: dict[str, Any] = json.loads((tmp_path / "second.json").read_text())
 
     # Requests the second run sent: only what the ledger did not hold. Sent in run 1 but unrecorded is what

@@ -26,7 +26,7 @@ from datagen.layout import RunLayout
 from datagen.model_fixture import ensure_model_dir
 from datagen.runspec import RunSpec
 from datagen.settings import Settings
-from tasks.provisioning import api_key_for, new_api_key, provision
+from tasks.provisioning import api_key_for, new_api_key, provision, stop_leftover_servers
 
 pytestmark = pytest.mark.slow
 
@@ -162,9 +162,10 @@ def test_servers_stop_when_the_block_raises_or_is_interrupted(
     assert pids and all(pid_gone(p) for p in pids)
 
 
-@pytest.mark.usefixtures("fast_standin")
-def test_sigterm_to_the_parent_stops_its_servers(tmp_path: Path, leftovers: list[int]) -> None:
-    settings, _, _ = make(tmp_path, 2)
+def start_flow_like(
+    tmp_path: Path, settings: Settings, leftovers: list[int]
+) -> tuple[subprocess.Popen[bytes], list[int]]:
+    """A process that provisions `settings.num_servers` stand-ins and then sleeps (as a flow run would generate)."""
     pid_file = tmp_path / "pids.json"
     script = tmp_path / "flow_like.py"
     script.write_text(
@@ -179,8 +180,8 @@ def test_sigterm_to_the_parent_stops_its_servers(tmp_path: Path, leftovers: list
             from datagen.settings import Settings
             from tasks.provisioning import provision
 
-            settings = Settings(engine="standin", num_servers=2, base_port={settings.base_port},
-                                server_start_timeout_s=120, work_dir={str(tmp_path)!r})
+            settings = Settings(engine="standin", num_servers={settings.num_servers}, base_port={settings.base_port},
+                                server_start_timeout_s=120, work_dir={str(settings.work_dir)!r})
             spec = RunSpec(model_path=str(ensure_model_dir()), context_length=32768)
             with provision(settings, spec, RunLayout.for_run(settings.work_dir, "t"), SecretStr("k")) as fleet:
                 Path({str(pid_file)!r}).write_text(json.dumps(list(fleet.pids().values())))
@@ -190,21 +191,58 @@ def test_sigterm_to_the_parent_stops_its_servers(tmp_path: Path, leftovers: list
     )
     parent = subprocess.Popen([sys.executable, str(script)], cwd=REPO, start_new_session=True)
     leftovers.append(parent.pid)
+    deadline = time.monotonic() + 120
+    while not pid_file.exists() and parent.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if not pid_file.exists():
+        parent.kill()
+        parent.wait()
+        pytest.fail(f"parent exited with {parent.returncode} before its servers were up")
+    pids: list[int] = json.loads(pid_file.read_text())
+    leftovers.extend(pids)
+    assert len(pids) == settings.num_servers and not any(pid_gone(p) for p in pids)
+    return parent, pids
+
+
+@pytest.mark.usefixtures("fast_standin")
+def test_sigterm_to_the_parent_stops_its_servers(tmp_path: Path, leftovers: list[int]) -> None:
+    settings, _, _ = make(tmp_path, 2)
+    parent, pids = start_flow_like(tmp_path, settings, leftovers)
     try:
-        deadline = time.monotonic() + 120
-        while not pid_file.exists() and parent.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert pid_file.exists(), f"parent exited with {parent.returncode} before its servers were up"
-        pids = json.loads(pid_file.read_text())
-        leftovers.extend(pids)
-        assert len(pids) == 2 and not any(pid_gone(p) for p in pids)
         parent.send_signal(signal.SIGTERM)  # what a Prefect worker does to cancel a flow run
         assert parent.wait(timeout=90) == 128 + signal.SIGTERM
         assert all(pid_gone(p) for p in pids)
+        assert stop_leftover_servers(settings) == []  # a clean stop leaves no record behind
     finally:
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+@pytest.mark.usefixtures("fast_standin")
+def test_servers_of_a_killed_pipeline_are_stopped_by_the_next_run_and_live_ones_never(
+    tmp_path: Path, leftovers: list[int]
+) -> None:
+    settings, spec, layout = make(tmp_path, 2)
+    parent, pids = start_flow_like(tmp_path, settings, leftovers)
+    parent.kill()  # SIGKILL: no teardown runs, the servers survive their pipeline
+    parent.wait()
+    time.sleep(1.0)
+    assert not any(pid_gone(p) for p in pids)
+    urls = [f"http://127.0.0.1:{settings.base_port + i}" for i in range(2)]
+    assert all(healthy(u) for u in urls)
+
+    # The next run on the box, while another pipeline (this process) has live servers of its own.
+    other, _, _ = make(tmp_path, 1)
+    with provision(other, spec, layout, KEY) as live:
+        leftovers.extend(live.pids().values())
+        stopped = stop_leftover_servers(settings)
+        assert sorted(line.split(" ")[0] for line in stopped) == ["gpu0", "gpu1"]
+        assert all(pid_gone(p) for p in pids)
+        assert not any(healthy(u) for u in urls)
+        assert healthy(live[0].url)  # a live pipeline's servers are not leftovers
+        assert stop_leftover_servers(settings) == []
+    assert list((tmp_path / "fleets").glob("*.json")) == []
 
 
 @pytest.mark.parametrize(

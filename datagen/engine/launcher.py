@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import os
 import random
@@ -57,6 +58,7 @@ __all__ = [
     "launch_flags",
     "log_tail",
     "mask_command",
+    "reap_orphaned_servers",
     "server_command",
     "server_env",
     "stop_process_group",
@@ -70,6 +72,7 @@ ATTACH_HEALTH_TIMEOUT_S = 60.0  # attached servers should already be up; don't w
 _POLL_S = 0.25
 _HEALTH_TIMEOUT_S = 25.0  # SGLang's /health handler may poll its scheduler for up to 20 s
 _MASK = "***"
+_FLEETS_DIR = "fleets"  # under Settings.work_dir: what each live fleet started (reap_orphaned_servers)
 _SECRET_FLAGS = ("--api-key", "--admin-api-key")
 
 
@@ -358,6 +361,60 @@ def _unregister(fleet: ServerFleet) -> None:
 atexit.register(_stop_all_fleets)
 
 
+# --- servers outliving a killed pipeline ---------------------------------------------------------------
+# SIGKILL (or the OOM killer) skips every teardown above, and a server survives its pipeline: eight of them
+# keep eight GPUs. Each fleet therefore records what it started in <work_dir>/fleets/, and the next run on
+# the box stops what a dead fleet left behind before its environment checks look at the GPUs.
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot), None when it is gone or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+def _is_process(pid: int, start: int | None) -> bool:
+    """True while `pid` is the same live process it was (a reused pid has another start time)."""
+    return start is not None and _start_ticks(pid) == start
+
+
+def reap_orphaned_servers(work_dir: Path, grace_s: float = STOP_GRACE_S) -> list[str]:
+    """Stop servers that fleets recorded under `work_dir` and whose own process has died; one line per server.
+
+    A live fleet's servers are never touched (its process is alive, whoever it is), nor a process whose pid
+    was reused since (start times differ).
+    """
+    reaped: list[str] = []
+    for path in sorted((work_dir / _FLEETS_DIR).glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+            owner_pid, owner_start = int(record["owner"]["pid"]), record["owner"]["start"]
+            servers = dict(record["servers"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("ignoring unreadable fleet record %s: %s", path, exc)
+            continue
+        if _is_process(owner_pid, owner_start):
+            continue
+        for name, info in sorted(servers.items()):
+            pid, start = int(info["pid"]), info.get("start")
+            if not _is_process(pid, start):
+                continue
+            logger.warning("stopping %s (pid %d, %s) left running by a pipeline that died", name, pid, info["url"])
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGTERM)  # started with start_new_session: pid == pgid
+            deadline = time.monotonic() + grace_s
+            while _is_process(pid, start) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)  # whatever of the group is left (SGLang's scheduler children)
+            reaped.append(f"{name} (pid {pid}, {info['url']})")
+        path.unlink(missing_ok=True)
+    return reaped
+
+
 # --- the fleet -------------------------------------------------------------------------------------
 
 
@@ -395,6 +452,9 @@ class ServerFleet(Sequence[ServerEndpoint]):
         # Orders "may we launch?" against stop(): a restart racing a teardown must not leak a server.
         # Re-entrant: a SIGTERM handler may run stop() on the thread that holds it.
         self._launch_lock = threading.RLock()
+        self._record_lock = threading.Lock()
+        me = os.getpid()
+        self._record_path = settings.work_dir / _FLEETS_DIR / f"{me}-{_start_ticks(me)}-{id(self):x}.json"
         if self.attached:
             self._servers = [
                 _Server(name=f"server-{i}", url=url.rstrip("/"), index=i) for i, url in enumerate(settings.server_urls)
@@ -581,12 +641,32 @@ class ServerFleet(Sequence[ServerEndpoint]):
             env=server.env,
             start_new_session=True,  # own process group: teardown reaches SGLang's scheduler children too
         )
+        self._write_record()
+
+    def _write_record(self) -> None:
+        """Record the servers now running (see reap_orphaned_servers); no record when none runs."""
+        me = os.getpid()
+        with self._record_lock:
+            servers = {
+                s.name: {"pid": s.proc.pid, "start": _start_ticks(s.proc.pid), "url": s.url}
+                for s in self._servers
+                if s.proc is not None
+            }
+            if not servers:
+                self._record_path.unlink(missing_ok=True)
+                return
+            record = {"owner": {"pid": me, "start": _start_ticks(me)}, "servers": servers}
+            self._record_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self._record_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(record, indent=1))
+            os.replace(tmp, self._record_path)
 
     def _stop_server(self, server: _Server) -> None:
         proc, server.proc = server.proc, None
         server.endpoint = None
         if proc is not None:
             stop_process_group(proc, self.stop_grace_s)
+            self._write_record()
         if server.log_file is not None:
             server.log_file.close()
             server.log_file = None
