@@ -1,6 +1,8 @@
 """One continuous dispatcher per box: keeps every server full, retries what is worth retrying.
 
-All shard workers submit into one shared queue, so the servers never drain at a shard boundary. The
+All shard workers submit into one shared queue, so the servers never drain at a shard boundary. The queue
+is ordered by each job's plan position (`GenerateJob.order`), so concurrent shard workers cannot reorder the
+plan (long outputs first); requeued and retried requests go ahead of new ones. The
 dispatcher runs its own asyncio loop in a background thread; `submit` is thread-safe and returns a
 `concurrent.futures.Future` that ends with a `GenerateResult` or one of these errors:
 
