@@ -81,11 +81,16 @@ def _write_prompts(chat: ChatTokenizer, knobs: Knobs, out_dir: Path, n: int, see
 
 
 def _generate(
-    endpoints: list[ServerEndpoint], chat: ChatTokenizer, spec: RunSpec, layout: RunLayout, plan: ShardPlan
+    endpoints: list[ServerEndpoint],
+    chat: ChatTokenizer,
+    spec: RunSpec,
+    layout: RunLayout,
+    plan: ShardPlan,
+    workers: int,
 ) -> tuple[list[ShardResult], dict[str, Any]]:
     with Dispatcher(endpoints, log_interval_s=30.0, stall_timeout_s=300.0) as dispatcher:
         dispatcher.wait_ready(60)
-        with ThroughputProbe(dispatcher, endpoints) as probe, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        with ThroughputProbe(dispatcher, endpoints) as probe, concurrent.futures.ThreadPoolExecutor(workers) as pool:
             t0 = time.monotonic()
             results = list(pool.map(lambda s: generate_shard(s, layout, dispatcher, chat, spec), plan.shard_ids))
             wall = time.monotonic() - t0
@@ -104,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--servers", type=int, default=2)
     ap.add_argument("--slots", type=int, default=32)
     ap.add_argument("--shard-size", type=int, default=50)
+    ap.add_argument("--workers", type=int, default=32, help="shards in flight (the flow's SHARDS_IN_FLIGHT is 32)")
     ap.add_argument("--time-scale", type=float, default=0.1)
     ap.add_argument("--step-base-ms", type=float, default=20.0)
     ap.add_argument("--step-per-req-ms", type=float, default=0.5)
@@ -155,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         pilot_spec = PilotSpec(name="pilot", sample_size=args.pilot_size, seed=3)
         pilot_layout = RunLayout(work / "pilot")
         pilot_plan, population = plan_pilot(spec, pilot_spec, pilot_layout, set())
-        pilot_results, pilot_run = _generate(endpoints, chat, spec, pilot_layout, pilot_plan)
+        pilot_results, pilot_run = _generate(endpoints, chat, spec, pilot_layout, pilot_plan, args.workers)
         summary = validate_shards(
             [Path(r.completions_path) for r in pilot_results], pilot_layout.validated_dir, spec.validation, True
         )
@@ -165,15 +171,15 @@ def main(argv: list[str] | None = None) -> int:
         model: LengthModel = projection.length_model
 
         fifo_layout = RunLayout(work / "fifo")
-        _, fifo = _generate(endpoints, chat, spec, fifo_layout, plan_shards(spec, fifo_layout))
+        _, fifo = _generate(endpoints, chat, spec, fifo_layout, plan_shards(spec, fifo_layout), args.workers)
         lf_layout = RunLayout(work / "long_first")
         lf_plan = plan_shards(spec, lf_layout, select=long_first_filter(model, work / "spill"))
-        _, long_first = _generate(endpoints, chat, spec, lf_layout, lf_plan)
+        _, long_first = _generate(endpoints, chat, spec, lf_layout, lf_plan, args.workers)
 
         main_layout = RunLayout(work / "main")
         main_plan = plan_shards(spec, main_layout, select=long_first_filter(model, work / "spill"))
         reused = import_pilot(pilot_layout, main_layout, main_plan, spec, chat)
-        main_results, main_run = _generate(endpoints, chat, spec, main_layout, main_plan)
+        main_results, main_run = _generate(endpoints, chat, spec, main_layout, main_plan, args.workers)
 
     actual_tokens = sum(r.output_tokens for r in main_results)  # imported pilot completions included
     projected_tokens = projection.output_tokens["projected_total"]
