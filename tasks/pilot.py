@@ -378,25 +378,25 @@ def simulate_wall(lengths: Sequence[int], servers: int, slots: int, model: Decod
     progress = [0.0] * servers  # tokens every request running on the server has advanced since t=0
     exhausted = False
 
-    def fill(k: int) -> None:
+    def take(k: int) -> bool:
+        """Start the next request on server `k`; False once the queue is exhausted."""
         nonlocal exhausted
-        while not exhausted and len(heaps[k]) < slots:
-            n = next(queue, None)
-            if n is None:
-                exhausted = True
-                return
-            if n > 0:
-                heapq.heappush(heaps[k], progress[k] + n)
+        n = next(queue, None)
+        if n is None:
+            exhausted = True
+            return False
+        if n > 0:
+            heapq.heappush(heaps[k], progress[k] + n)
+        return True
+
+    def fill(k: int) -> None:
+        while not exhausted and len(heaps[k]) < slots and take(k):
+            pass
 
     for _ in range(slots):  # round-robin initial fill, as a dispatcher spreads the first requests
         for k in range(servers):
-            if len(heaps[k]) < slots:
-                n = next(queue, None)
-                if n is None:
-                    exhausted = True
-                    break
-                if n > 0:
-                    heapq.heappush(heaps[k], progress[k] + n)
+            if len(heaps[k]) < slots and not take(k):
+                break
     for k in range(servers):
         fill(k)
     t = 0.0
