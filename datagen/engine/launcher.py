@@ -403,12 +403,17 @@ def reap_orphaned_servers(work_dir: Path, grace_s: float = STOP_GRACE_S) -> list
             if not _is_process(pid, start):
                 continue
             logger.warning("stopping %s (pid %d, %s) left running by a pipeline that died", name, pid, info["url"])
-            with contextlib.suppress(ProcessLookupError):
+            try:
                 os.killpg(pid, signal.SIGTERM)  # started with start_new_session: pid == pgid
+            except ProcessLookupError:
+                continue
+            except PermissionError:
+                logger.warning("cannot stop %s (pid %d): it belongs to another user", name, pid)
+                continue
             deadline = time.monotonic() + grace_s
             while _is_process(pid, start) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            with contextlib.suppress(ProcessLookupError):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)  # whatever of the group is left (SGLang's scheduler children)
             reaped.append(f"{name} (pid {pid}, {info['url']})")
         path.unlink(missing_ok=True)
