@@ -23,6 +23,9 @@ def _quiet_prefect_defaults() -> None:
     # Offline machines: no analytics; keep Prefect's state inside the project unless told otherwise.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_HOME", str(Path(".datagen") / "prefect"))
+    # The embedded server migrates a fresh database on its first start: 16 s measured on 2 cores, over
+    # Prefect's 20 s limit when the machine is busy (a fresh clone's demo failed that way).
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
