@@ -220,6 +220,17 @@ def test_generate_length_errors_exact(client: httpx.Client, tokenizer: ChatToken
         "tokens for the completion. Please reduce the number of tokens in the input messages or the completion "
         "to fit within the limit."
     )
+    # Off by one as SGLang: input + max_new_tokens == context length is allowed (the check is `>`) ...
+    ok = _generate(client, {"input_ids": [1000] * 100, "sampling_params": {"max_new_tokens": CONTEXT - 100}})
+    assert ok.status_code == 200, ok.text
+    # ... and the scheduler refuses an input of max_req_input_len (context - 6) tokens (its check is `>=`).
+    limit = CONTEXT - 6
+    r = _generate(client, {"input_ids": [1000] * limit, "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        f"Input length ({limit} tokens) exceeds the maximum allowed length ({limit} tokens). "
+        "Use a shorter input or enable --allow-auto-truncate."
+    )
+    assert _generate(client, {"input_ids": [1000] * (limit - 1), "sampling_params": {"max_new_tokens": 1}}).is_success
 
 
 def test_chat_reasoning_split_and_thinking_off(client: httpx.Client) -> None:
@@ -273,10 +284,13 @@ def test_info_endpoints(client: httpx.Client) -> None:
     missing = client.get("/v1/models/other")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     info = client.get("/server_info").json()
-    assert info["version"] == "0.5.23" and info["status"] == "Up"
+    # "status" is the scheduler handshake's "ready", as SGLang's build_server_info reports it.
+    assert info["version"] == "0.5.23" and info["status"] == "ready"
     assert info["internal_states"][0]["effective_max_running_requests_per_dp"] == 4
     assert info["context_length"] == CONTEXT and info["max_req_input_len"] == CONTEXT - 6
-    assert info["api_key"] == "***" and KEY not in info["launch_command"]
+    # Like SGLang (only watermark keys are masked there): the key in clear, so leak tests can see it.
+    assert info["api_key"] == KEY and f"--api-key {KEY}" in info["launch_command"]
+    assert info["internal_states"][0]["api_key"] == KEY
     assert client.get("/get_server_info").json()["version"] == "0.5.23"
     model_info = client.get("/model_info").json()
     assert model_info["architectures"] == ["Qwen3_5ForConditionalGeneration"]

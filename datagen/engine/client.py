@@ -28,6 +28,7 @@ from typing import Any, TypeGuard
 import httpx
 
 from datagen.endpoints import ServerEndpoint
+from datagen.redact import redact
 from datagen.runspec import SamplingSpec
 
 __all__ = [
@@ -197,11 +198,16 @@ class SGLangClient:
         return resp.status_code == 200
 
     async def server_info(self) -> dict[str, Any]:
-        """GET /server_info: resolved server args and per-DP internal states."""
+        """GET /server_info: resolved server args and per-DP internal states, secrets masked.
+
+        SGLang answers with `api_key` (top level and in every internal state) and `launch_command` in clear;
+        what this returns may be logged or stored, so it is redacted here, once.
+        """
         body = await self._get_json("/server_info")
         if not isinstance(body, dict):
             raise ProtocolError(f"/server_info returned {type(body).__name__}, not an object", server=self.name)
-        return body
+        redacted: dict[str, Any] = redact(body, [self.endpoint.api_key])
+        return redacted
 
     async def effective_max_running(self) -> int:
         """Running-request capacity: effective_max_running_requests_per_dp summed over DP ranks."""

@@ -49,6 +49,7 @@ from datagen.engine.client import (
     SGLangClient,
     TransientError,
 )
+from datagen.redact import redact_text
 
 __all__ = [
     "Dispatcher",
@@ -616,7 +617,8 @@ class Dispatcher:
             for s in self._servers:
                 part = f"{s.name} ({s.endpoint.url}, {s.state}, {len(s.inflight)} in flight"
                 part += f", last error: {s.last_error})" if s.last_error else ")"
-                tail = _tail(s.endpoint.log_path)
+                # Server logs hold the API key (SGLang logs its settings): masked before it reaches an error.
+                tail = redact_text(_tail(s.endpoint.log_path), [s.endpoint.api_key])
                 if tail:
                     part += f"\n  last log lines of {Path(s.endpoint.log_path or '').name}:\n    "
                     part += tail.replace("\n", "\n    ")

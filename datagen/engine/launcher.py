@@ -43,6 +43,7 @@ from pydantic import SecretStr
 
 from datagen.endpoints import ServerEndpoint
 from datagen.layout import RunLayout
+from datagen.redact import redact_lines, redact_text
 from datagen.runspec import RunSpec
 from datagen.settings import Settings
 
@@ -753,8 +754,9 @@ class ServerFleet(Sequence[ServerEndpoint]):
         )
 
     def _failure(self, server: _Server, reason: str) -> ServerStartError:
-        tail = log_tail(server.log_path) if server.log_path else []
-        return ServerStartError(server.name, reason, server.log_path, tail)
+        # SGLang logs its settings, API key included, at startup: the tail is masked before anyone sees it.
+        tail = redact_lines(log_tail(server.log_path), [self._api_key]) if server.log_path else []
+        return ServerStartError(server.name, redact_text(reason, [self._api_key]), server.log_path, tail)
 
 
 class _Aborted(Exception):

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -34,7 +35,8 @@ __all__ = ["build_app"]
 logger = logging.getLogger("datagen.standin.http")
 
 _OPEN_PREFIXES = ("/health", "/ready", "/metrics")
-_ADMIN_PATHS = frozenset({"/flush_cache"})
+# Routes SGLang marks @auth_level(AuthLevel.ADMIN_OPTIONAL) among those the stand-in serves.
+_ADMIN_OPTIONAL_PATHS = frozenset({"/flush_cache", "/abort_request"})
 _FLUSH_TEXT = (
     "Cache flushed.\nPlease check backend logs for more details. "
     "(When there are running or waiting requests, the operation will not be performed.)\n"
@@ -58,23 +60,38 @@ def _internal_error() -> JSONResponse:
 
 
 class _ApiKeyMiddleware:
-    """401 {"error":"Unauthorized"} unless `Authorization: Bearer <key>`; health/ready/metrics stay open."""
+    """SGLang's `decide_request_auth`: 401 {"error": "Unauthorized"} unless `Authorization: Bearer <key>`.
+
+    Health, readiness and metrics paths (by prefix) and OPTIONS stay open. Admin-optional routes take the
+    admin key when one is set (the plain key is then refused), else the plain key. Empty keys count as unset.
+    """
 
     def __init__(self, app: ASGIApp, api_key: str | None, admin_api_key: str | None) -> None:
         self.app = app
         self.api_key = api_key
         self.admin_api_key = admin_api_key
 
+    @staticmethod
+    def _bearer_matches(header: str | None, expected: str) -> bool:
+        # Exactly SGLang's parse: one split on the first space, no stripping of the token.
+        if not header:
+            return False
+        parts = header.split(" ", 1)
+        if len(parts) != 2 or parts[0].lower() != "bearer":
+            return False
+        return hmac.compare_digest(parts[1].encode(), expected.encode())
+
     def _authorized(self, scope: Scope) -> bool:
         path: str = scope["path"]
         if scope["method"] == "OPTIONS" or path.startswith(_OPEN_PREFIXES):
             return True
-        expected = self.admin_api_key if (path in _ADMIN_PATHS and self.admin_api_key) else self.api_key
-        if expected is None:
-            return True
-        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = header.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), expected.encode())
+        raw = dict(scope["headers"]).get(b"authorization")
+        header = raw.decode("latin-1") if raw is not None else None
+        if path in _ADMIN_OPTIONAL_PATHS and self.admin_api_key:
+            return self._bearer_matches(header, self.admin_api_key)
+        if self.api_key:
+            return self._bearer_matches(header, self.api_key)
+        return True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and not self._authorized(scope):
@@ -92,25 +109,58 @@ class _Item:
 
 
 def _check_lengths(state: ServerState, item: _Item) -> None:
-    """SGLang's tokenizer-manager and scheduler length checks, in that order, with their exact texts."""
-    if state.args.allow_auto_truncate and len(item.prompt_ids) > state.max_req_input_len:
-        logger.warning("Request length is longer than the KV cache pool size or the max context length. Truncated.")
-        item.prompt_ids = item.prompt_ids[: state.max_req_input_len]
-    n = len(item.prompt_ids)
+    """SGLang's length checks, in its order and with its bounds and texts.
+
+    TokenizerManager._validate_one_request: input >= context length, then input + max_new_tokens > context
+    length (each truncating instead with --allow-auto-truncate); then the scheduler's validate_input_length:
+    input >= max_req_input_len (min(context, KV pool) - 6).
+    """
     ctx = state.context_len
+    n = len(item.prompt_ids)
     if n >= ctx:
-        raise ValueError(f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens).")
-    max_new = item.params.get("max_new_tokens", 128)
-    if max_new is not None and max_new + n >= ctx:
-        raise ValueError(
-            f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
-            f"You requested a total of {max_new + n} tokens: {n} tokens from the input messages and "
-            f"{max_new} tokens for the completion. Please reduce the number of tokens in the input "
-            "messages or the completion to fit within the limit."
+        if not state.args.allow_auto_truncate:
+            raise ValueError(f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens).")
+        logger.warning(
+            "The input (%d tokens) is longer than the model's context length (%d tokens). Truncating the input.",
+            n,
+            ctx,
         )
-    if n > state.max_req_input_len:
+        item.prompt_ids = item.prompt_ids[:ctx]
+        n = len(item.prompt_ids)
+    max_new = item.params.get("max_new_tokens")  # SGLang reads the raw dict: absent means no total check
+    if isinstance(max_new, int) and max_new + n > ctx:
+        if not state.args.allow_auto_truncate:
+            raise ValueError(
+                f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
+                f"You requested a total of {max_new + n} tokens: {n} tokens from the input messages and "
+                f"{max_new} tokens for the completion. Please reduce the number of tokens in the input "
+                "messages or the completion to fit within the limit."
+            )
+        logger.warning(
+            "Requested token count (%d input + %d new) exceeds the model's context length (%d tokens). "
+            "Truncating max_new_tokens.",
+            n,
+            max_new,
+            ctx,
+        )
+        item.params["max_new_tokens"] = max(0, ctx - n)
+
+
+def _check_scheduler_length(state: ServerState, item: _Item) -> None:
+    """The scheduler's validate_input_length (after the sampling checks): input >= max_req_input_len."""
+    limit = state.max_req_input_len
+    if len(item.prompt_ids) >= limit:
+        if state.args.allow_auto_truncate:
+            logger.warning(
+                "Request length is longer than the KV cache pool size or the max context length. Truncated. "
+                "len(req.origin_input_ids)=%d, max_req_input_len=%d.",
+                len(item.prompt_ids),
+                limit,
+            )
+            item.prompt_ids = item.prompt_ids[:limit]
+            return
         raise ValueError(
-            f"Input length ({n} tokens) exceeds the maximum allowed length ({state.max_req_input_len} tokens). "
+            f"Input length ({len(item.prompt_ids)} tokens) exceeds the maximum allowed length ({limit} tokens). "
             "Use a shorter input or enable --allow-auto-truncate."
         )
 
@@ -138,14 +188,11 @@ def _prepare(state: ServerState, items: Sequence[_Item]) -> list[Req]:
     for item in items:
         if not item.prompt_ids:
             raise ValueError("input_ids cannot be empty.")
-        if any(i < 0 or i >= state.vocab_size for i in item.prompt_ids):
-            raise ValueError(
-                f"The input_ids {item.prompt_ids} contains values greater than the vocab size ({state.vocab_size})."
-            )
-        if item.params.get("n", 1) != 1:
+        if item.params.get("n", 1) not in (1, None):
             raise ValueError("n > 1 is not supported by the datagen stand-in.")
-        check_sampling_values(item.params)
         _check_lengths(state, item)
+        check_sampling_values(item.params, state.vocab_size)
+        _check_scheduler_length(state, item)
     loop = asyncio.get_running_loop()
     return [
         Req(rid=item.rid, prompt_len=len(item.prompt_ids), plan=_plan(state, item), future=loop.create_future())
@@ -227,9 +274,9 @@ async def _faults(state: ServerState, request: Request) -> Response | None:
     """Stall and error-rate injection for a generation request; None when it should be served."""
     state.generation_requests += 1
     if state.stalled:
-        if state.status == Status.UP:
+        if not state.stall_logged:
             logger.error("Injected stall (DATAGEN_STANDIN_STALL_AFTER): new generation requests hang.")
-            state.status = Status.UNHEALTHY
+            state.stall_logged = True
         await _until_disconnect(request)
         return Response(status_code=499)
     if state.knobs.error_rate and state.fault_rng.random() < state.knobs.error_rate:
@@ -478,32 +525,39 @@ def _model_info(state: ServerState) -> dict[str, Any]:
 
 
 def _internal_states(state: ServerState) -> list[dict[str, Any]]:
+    """One entry per DP rank, as SchedulerInternalStateController: the resolved args plus live fields."""
     return [
         {
-            "dp_rank": rank,
+            **state.resolved,  # SGLang starts from resolved_server_args_dict(): api_key in clear here too
+            "world_size": state.args.dp_size * state.args.tp_size,
+            "startup_time": state.startup_time,
             "effective_max_running_requests_per_dp": state.max_running_per_dp,
             "last_gen_throughput": state.scheduler.last_gen_throughput / state.args.dp_size,
             "memory_usage": {
                 "weight": 51.2,
                 "kvcache": 21.4,
-                "graph": 1.3,
+                "startup_available": 94.5,
                 "token_capacity": state.scheduler.max_total_tokens,
+                "token_capacity_swa": None,
+                "graph": {"decode": 1.3},
             },
-            "attention_backend": state.resolved["attention_backend"],
+            "disaggregation_mode": "null",
         }
-        for rank in range(state.args.dp_size)
+        for _ in range(state.args.dp_size)
     ]
 
 
 def _server_info(state: ServerState) -> dict[str, Any]:
+    """SGLang's build_server_info: resolved args, launch_command, the scheduler's init info, then live state."""
     return {
         **state.resolved,
         "launch_command": state.launch_command,
-        "status": state.status,
+        # scheduler.get_init_info(): "status" is the handshake's "ready", not the server's Up/Starting.
+        "status": "ready",
         "max_total_num_tokens": state.scheduler.max_total_tokens,
         "max_req_input_len": state.max_req_input_len,
-        "startup_time": state.startup_time,
         "kv_events": None,
+        "startup_time": state.startup_time,
         "internal_states": _internal_states(state),
         "version": SGLANG_VERSION,
         "frontend": "python",
@@ -514,11 +568,20 @@ def _split(total: int, parts: int, index: int) -> int:
     return total // parts + (1 if index < total % parts else 0)
 
 
-def _loads(state: ServerState, include: set[str]) -> list[dict[str, Any]]:
+_LOAD_SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})
+
+
+def _loads(state: ServerState, include: set[str] | None) -> list[dict[str, Any]]:
+    """Per-DP-rank entries as SGLang's `LoadSnapshot.to_dict(include)` (None or "all": every section set)."""
+    if include is not None and not include <= _LOAD_SECTIONS:
+        raise ValueError(
+            f"Invalid include sections: {include - _LOAD_SECTIONS}. Valid options: {sorted(_LOAD_SECTIONS)}"
+        )
     s = state.scheduler
     dp = state.args.dp_size
     used = s.num_used_tokens
     throughput = s.gen_throughput
+    include_all = include is None or "all" in include
     entries = []
     for rank in range(dp):
         running = _split(len(s.running), dp, rank)
@@ -531,7 +594,7 @@ def _loads(state: ServerState, include: set[str]) -> list[dict[str, Any]]:
             "num_waiting_reqs": waiting,
             "num_waiting_uncached_tokens": _split(sum(r.prompt_len for r in s.waiting), dp, rank),
             "num_used_tokens": used_rank,
-            "num_total_tokens": s.max_total_tokens,
+            "num_total_tokens": used_rank,  # used + tokens of disaggregation queues (none here)
             "num_active_tokens": used_rank,
             "num_prealloc_ready_tokens": 0,
             "max_total_num_tokens": s.max_total_tokens,
@@ -540,43 +603,84 @@ def _loads(state: ServerState, include: set[str]) -> list[dict[str, Any]]:
             "gen_throughput": round(throughput / dp, 2),
             "cache_hit_rate": 0.0,
             "utilization": round(running / state.max_running_per_dp, 4),
-            "total_prefill_uncached_tokens": _split(s.prompt_tokens_total, dp, rank),
+            "total_prefill_uncached_tokens": _split(s.prefill_tokens_total, dp, rank),
             "total_prefill_busy_us": 0,
             "decode_moments": None,
         }
-        if include & {"memory", "all"}:
-            entry["memory"] = {
-                "weight_gb": 51.2,
-                "kv_cache_gb": 21.4,
-                "graph_gb": 1.3,
-                "token_usage": entry["token_usage"],
-            }
-        if include & {"spec", "all"}:
-            entry["speculative"] = None
-        if include & {"queues", "all"}:
-            entry["queues"] = {"waiting": waiting, "grammar": 0, "paused": 0, "retracted": 0, "prealloc_ready": 0}
+        if include == {"core"}:
+            entries.append(entry)
+            continue
+        # SGLang's sections that are set on a plain server: memory, disaggregation (mode "null"), queues;
+        # speculative and lora stay None there and are left out.
+        sections = {
+            "memory": (
+                "memory",
+                {"weight_gb": 51.2, "kv_cache_gb": 21.4, "graph_gb": 1.3, "token_capacity": s.max_total_tokens},
+            ),
+            "disaggregation": (
+                "disagg",
+                {
+                    "mode": "null",
+                    "prefill_bootstrap_queue_reqs": 0,
+                    "prefill_inflight_queue_reqs": 0,
+                    "decode_prealloc_queue_reqs": 0,
+                    "decode_transfer_queue_reqs": 0,
+                    "decode_retracted_queue_reqs": 0,
+                    "kv_transfer_speed_gb_s": 0.0,
+                    "kv_transfer_latency_ms": 0.0,
+                },
+            ),
+            "queues": (
+                "queues",
+                {"waiting": waiting, "grammar": 0, "paused": 0, "retracted": 0, "prealloc_ready": 0},
+            ),
+        }
+        for field_name, (include_name, section) in sections.items():
+            if include_all or (include is not None and include_name in include):
+                entry[field_name] = section
         entries.append(entry)
     return entries
 
 
+def _loads_prometheus(loads: list[dict[str, Any]]) -> str:
+    """SGLang's `_format_loads_prometheus`: one gauge per scalar, sections flattened as sglang_<prefix>_<key>."""
+    prefixes = {"speculative": "spec", "disaggregation": "disagg"}
+    samples: dict[str, list[tuple[int, Any]]] = {}
+    for load in loads:
+        entry = dict(load)
+        dp_rank = entry.pop("dp_rank")
+        for key, value in entry.items():
+            if isinstance(value, dict):
+                prefix = prefixes.get(key, key)
+                for sub_key, sub_value in value.items():
+                    if isinstance(sub_value, int | float):
+                        samples.setdefault(f"sglang_{prefix}_{sub_key}", []).append((dp_rank, sub_value))
+            elif isinstance(value, int | float):
+                samples.setdefault(f"sglang_{key}", []).append((dp_rank, value))
+    lines = []
+    for name, values in samples.items():
+        lines.append(f"# TYPE {name} gauge")
+        lines += [f'{name}{{dp_rank="{rank}"}} {value}' for rank, value in values]
+    return "\n".join(lines) + "\n"
+
+
 async def _v1_loads(state: ServerState, request: Request) -> Response:
-    include = set((request.query_params.get("include") or "all").split(","))
-    loads = _loads(state, include)
+    raw_include = request.query_params.get("include")
+    include = {p.strip() for p in raw_include.split(",")} if raw_include else None
+    try:
+        loads = _loads(state, include)
+    except ValueError as exc:
+        return _error_response(str(exc), 400, "400")
     dp_rank = request.query_params.get("dp_rank")
     if dp_rank is not None:
         loads = [e for e in loads if str(e["dp_rank"]) == dp_rank]
     if request.query_params.get("format") == "prometheus":
-        lines = []
-        for e in loads:
-            for key, value in e.items():
-                if key not in ("timestamp", "dp_rank") and isinstance(value, int | float):
-                    lines.append(f'sglang_{key}{{dp_rank="{e["dp_rank"]}"}} {value}')
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(_loads_prometheus(loads), media_type="text/plain; version=0.0.4; charset=utf-8")
     body = {
-        "timestamp": time.time(),
+        "timestamp": datetime.now(UTC).isoformat(),
         "version": SGLANG_VERSION,
-        "accelerator": "cuda",
-        "num_accelerators": state.args.dp_size * state.args.tp_size,
+        "accelerator": None,  # SGLang: the device's marketing name, None when unavailable (no GPU here)
+        "num_accelerators": state.args.tp_size,  # per DP rank: tp x pp (no attention-DP)
         "loads": loads,
     }
     return JSONResponse(body)
@@ -586,7 +690,8 @@ def _metrics_text(state: ServerState) -> str:
     s = state.scheduler
     name = state.served_model_name
     labels = f'model_name="{name}",engine_type="unified",tp_rank="0",pp_rank="0",moe_ep_rank="0"'
-    tokenizer_labels = f'model_name="{name}",engine_type="unified"'
+    # TokenizerMetricsCollector's request counters carry is_streaming (the stand-in never streams).
+    tokenizer_labels = f'model_name="{name}",engine_type="unified",is_streaming="false"'
     gauges = {
         "num_running_reqs": ("The number of running requests.", len(s.running)),
         "num_queue_reqs": ("The number of requests in the waiting queue.", len(s.waiting)),
@@ -642,11 +747,37 @@ def build_app(
     """The ASGI app of the stand-in (routes + API-key middleware)."""
     s = state
 
-    def ready_status() -> int:
-        return 200 if s.status == Status.UP and not s.stalled else 503
+    def flag_status() -> int:
+        # /ready and /ping: a flag check (is_ready / is_healthy), no generation.
+        return 200 if s.status == Status.UP else 503
+
+    async def flag(request: Request) -> Response:
+        return Response(status_code=flag_status())
 
     async def health(request: Request) -> Response:
-        return Response(status_code=ready_status())
+        """SGLang's health_generate: 503 while Starting, else a one-token probe polled once a second.
+
+        The probe succeeds (200, status Up) when the scheduler answers within SGLANG_HEALTH_CHECK_TIMEOUT
+        (20 s) and fails (503, status UnHealthy) when it does not: a stalled stand-in answers 503 only then.
+        With SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false, /health (not /health_generate) is a plain 200.
+        """
+        if s.status == Status.STARTING:
+            return Response(status_code=503)
+        generation = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true").lower() in ("1", "true")
+        if not generation and request.url.path == "/health":
+            return Response(status_code=200)
+        timeout = int(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
+        tic = time.time()
+        while time.time() < tic + timeout:
+            await asyncio.sleep(1)
+            if not s.stalled:
+                s.status = Status.UP
+                return Response(status_code=200)
+        logger.error(
+            "Health check failed. Server couldn't get a response from detokenizer for last %d seconds.", timeout
+        )
+        s.status = Status.UNHEALTHY
+        return Response(status_code=503)
 
     async def root(request: Request) -> Response:
         return PlainTextResponse("SGLang is running")
@@ -700,8 +831,8 @@ def build_app(
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/health_generate", health, methods=["GET"]),
-        Route("/ready", health, methods=["GET"]),
-        Route("/ping", health, methods=["GET"]),
+        Route("/ready", flag, methods=["GET"]),
+        Route("/ping", flag, methods=["GET"]),
         Route("/", root, methods=["GET", "HEAD"]),
         Route("/model_info", model_info, methods=["GET"]),
         Route("/get_model_info", model_info, methods=["GET"]),

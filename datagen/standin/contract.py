@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -144,38 +145,78 @@ def check_generate_body(body: Any) -> dict[str, Any]:
     return body
 
 
-def check_sampling_values(p: dict[str, Any]) -> None:
-    """Value checks of `sampling_params.verify` (ValueError with SGLang's messages)."""
-    temperature = p.get("temperature", 1.0)
-    top_p = p.get("top_p", 1.0)
-    top_k = p.get("top_k", -1)
-    min_p = p.get("min_p", 0.0)
+# sglang/srt/sampling/sampling_params.py constants.
+_SAMPLING_EPS = 1e-6
+TOP_K_ALL = 1 << 30
+MAX_STOP_COUNT = 32
+MAX_STOP_REGEX_COUNT = 32
+MAX_STOP_REGEX_LEN = 256
+
+
+def check_sampling_values(p: dict[str, Any], vocab_size: int) -> None:
+    """SGLang's SamplingParams: `__post_init__` defaulting, then `normalize()`, then `verify()` (same texts)."""
+
+    def value(key: str, default: Any) -> Any:
+        v = p.get(key)
+        return default if v is None else v  # null means "use the default", as __post_init__
+
+    temperature = value("temperature", 1.0)
+    top_p = value("top_p", 1.0)
+    top_k = value("top_k", -1)
+    min_p = value("min_p", 0.0)
+    min_new = value("min_new_tokens", 0)
     max_new = p.get("max_new_tokens", 128)
-    min_new = p.get("min_new_tokens", 0)
-    if temperature < 0.0:
-        raise ValueError(f"temperature must be non-negative, got {temperature}.")
+    if 0 <= temperature < _SAMPLING_EPS:  # greedy: __post_init__ turns it into top_k = 1
+        temperature, top_k = 1.0, 1
+    if top_k == -1:
+        top_k = TOP_K_ALL
+    # normalize()
+    stop = p.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if len(stops) > MAX_STOP_COUNT:
+            raise ValueError(f"at most {MAX_STOP_COUNT} stop strings are allowed, got {len(stops)}")
+    stop_regex = p.get("stop_regex")
+    if stop_regex is not None:
+        patterns = [stop_regex] if isinstance(stop_regex, str) else stop_regex
+        if len(patterns) > MAX_STOP_REGEX_COUNT:
+            raise ValueError(f"at most {MAX_STOP_REGEX_COUNT} stop_regex patterns are allowed, got {len(patterns)}")
+        for pattern in patterns:
+            size = len(pattern.encode("utf-8"))
+            if size > MAX_STOP_REGEX_LEN:
+                raise ValueError(f"stop_regex is {size} bytes, over the {MAX_STOP_REGEX_LEN}-byte limit")
+    # verify()
+    beam_width = p.get("beam_width")
+    if beam_width is not None and beam_width < 1:
+        raise ValueError(f"beam_width must be at least 1, got {beam_width}.")
+    if not math.isfinite(temperature) or temperature < 0.0:
+        raise ValueError(f"temperature must be a non-negative finite number, got {temperature}.")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
     if not 0.0 <= min_p <= 1.0:
         raise ValueError(f"min_p must be in [0, 1], got {min_p}.")
-    if top_k < 1 and top_k != -1:
-        raise ValueError(f"top_k must be -1 (disable), or at least 1, got {top_k}.")
+    if top_k < 1 or top_k == -1:
+        raise ValueError(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
     for name in ("frequency_penalty", "presence_penalty"):
-        value = p.get(name, 0.0)
-        if not -2.0 <= value <= 2.0:
-            raise ValueError(f"{name} must be in [-2, 2], got {value}.")
-    repetition_penalty = p.get("repetition_penalty", 1.0)
+        penalty = value(name, 0.0)
+        if not -2.0 <= penalty <= 2.0:
+            raise ValueError(f"{name} must be in [-2, 2], got {penalty}.")
+    repetition_penalty = value("repetition_penalty", 1.0)
     if not 0.0 < repetition_penalty <= 2.0:
-        raise ValueError(f"repetition_penalty must be in (0, 2], got {repetition_penalty}.")
+        raise ValueError(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {repetition_penalty}.")
     if min_new < 0:
         raise ValueError(f"min_new_tokens must be in [0, max_new_tokens], got {min_new}.")
     if max_new is not None:
         if max_new < 0:
             raise ValueError(f"max_new_tokens must be at least 0, got {max_new}.")
-        if min_new > max_new:
+        if not min_new <= max_new:
             raise ValueError(f"min_new_tokens must be in [0, max_new_tokens({max_new})], got {min_new}.")
-    if sum(p.get(k) is not None for k in ("regex", "json_schema", "ebnf")) > 1:
-        raise ValueError("Only one of regex, json_schema, or ebnf can be set.")
-    stop = p.get("stop")
-    if isinstance(stop, list) and len(stop) > 32:
-        raise ValueError(f"stop must have at most 32 entries, got {len(stop)}.")
+    for token_id in p.get("logit_bias") or {}:
+        if not 0 <= int(token_id) < vocab_size:
+            raise ValueError(f"logit_bias must has keys in [0, {vocab_size - 1}], got {token_id}.")
+    seed = p.get("sampling_seed")
+    if seed is not None and not -(2**63) <= seed <= 2**63 - 1:
+        raise ValueError(f"sampling_seed must be in [-2**63, 2**63 - 1], got {seed}.")
+    # Empty grammar strings mean "unset" (__post_init__).
+    if sum(bool(p.get(k)) for k in ("json_schema", "regex", "ebnf", "structural_tag")) > 1:
+        raise ValueError("Only one of json_schema, regex, ebnf, or structural_tag can be set.")

@@ -56,11 +56,16 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._samples: deque[tuple[float, int]] = deque()
         self.steps = 0
-        # Counters behind /metrics (monotonic over the process lifetime).
+        # Counters behind /metrics (monotonic over the process lifetime). As SGLang's TokenizerMetricsCollector
+        # (`observe_one_finished_request`), prompt and generation tokens and requests count when a request
+        # FINISHES (stop, length or abort), with its whole prompt and output: not per decode step.
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_requests_total = 0
         self.num_aborted_total = 0
+        # Per-step counters behind /v1/loads (total_prefill_uncached_tokens) and gen_throughput.
+        self.prefill_tokens_total = 0
+        self.decoded_tokens_total = 0
         self.last_gen_throughput = 0.0
 
     # --- submission -------------------------------------------------------------------------
@@ -77,7 +82,7 @@ class Scheduler:
         for r in reqs:
             self.inflight[r.rid] = r
             self.waiting.append(r)
-            self.prompt_tokens_total += r.prompt_len
+            self.prefill_tokens_total += r.prompt_len
         self._wake.set()
 
     def abort(self, rid: str | None = None, *, abort_all: bool = False) -> int:
@@ -96,6 +101,8 @@ class Scheduler:
         r.finish_reason = reason
         self.inflight.pop(r.rid, None)
         self.num_requests_total += 1
+        self.prompt_tokens_total += r.prompt_len
+        self.generation_tokens_total += r.pos
         if not r.future.done():
             r.future.set_result(None)
 
@@ -171,9 +178,9 @@ class Scheduler:
                 else:
                     still.append(r)
             self.running = still
-            self.generation_tokens_total += produced
+            self.decoded_tokens_total += produced
             self.steps += 1
-            self._samples.append((time.monotonic(), self.generation_tokens_total))
+            self._samples.append((time.monotonic(), self.decoded_tokens_total))
             if self.steps % _DECODE_LOG_INTERVAL == 0 and self.running:
                 self.last_gen_throughput = self.gen_throughput
                 logger.info(

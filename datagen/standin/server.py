@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import json
 import logging
-import shlex
 import sys
 import time
 import traceback
@@ -15,7 +14,6 @@ from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-from datagen.standin.cli import redacted_argv
 from datagen.standin.knobs import KnobError, Knobs
 
 __all__ = ["check_gpu_arch", "resolve_args", "serve"]
@@ -73,11 +71,12 @@ def check_gpu_arch(args: argparse.Namespace, architectures: list[str], gpu_arch:
 
 
 def resolve_args(args: argparse.Namespace, config: dict[str, Any], knobs: Knobs, attention: str) -> dict[str, Any]:
-    """Server args after SGLang-like defaulting, as /server_info shows them (API keys masked)."""
+    """Server args after SGLang-like defaulting, as /server_info shows them.
+
+    Secrets are NOT masked: real SGLang's `ServerArgs.resolved_dict()` masks only watermark keys, so its startup
+    log and /server_info carry `api_key` in clear. The stand-in does the same so tests can see a leak.
+    """
     resolved = dict(vars(args))
-    for secret in ("api_key", "admin_api_key"):
-        if resolved.get(secret) is not None:
-            resolved[secret] = "***"
     context = args.context_length or int(config.get("max_position_embeddings") or 262144)
     spec = "EAGLE" if args.speculative_algorithm == "NEXTN" else args.speculative_algorithm
     if args.max_running_requests is not None:
@@ -123,7 +122,8 @@ def _read_config(model_path: Path) -> dict[str, Any]:
 def serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Run the server until SIGINT/SIGTERM; returns the process exit code."""
     _setup_logging(args.log_level)
-    launch = shlex.join([sys.executable, "-m", "datagen.standin", *redacted_argv(argv)])
+    # SGLang: `server_args._launch_command = " ".join(argv)` over sys.argv[1:], API keys in clear.
+    launch = " ".join(argv)
     try:
         knobs = Knobs.from_env()
     except KnobError as exc:
@@ -137,15 +137,21 @@ def serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
     except (OSError, ValueError) as exc:
         logger.error("Failed to load the model config: %s", exc)
         return 1
+    failure: str | None = None
     try:
         attention = check_gpu_arch(args, list(config.get("architectures") or []), knobs.gpu_arch)
     except AssertionError:
+        failure = traceback.format_exc()
+        attention = args.attention_backend or "flashinfer"
+    resolved = resolve_args(args, config, knobs, attention)
+    # SGLang's engine logs `server_args={resolved_dict()}` (a dict repr, api_key in clear) before it starts
+    # the scheduler processes, so this line is in the log even when the scheduler then dies.
+    logger.info("server_args=%r", resolved)
+    if failure is not None:
         # SGLang: the scheduler subprocess dies with the traceback, then the launcher tears everything down.
-        logger.error("Scheduler hit an exception: %s", traceback.format_exc())
+        logger.error("Scheduler hit an exception: %s", failure)
         logger.error("Received sigquit from a child process. It usually means the child failed.")
         return 1
-    resolved = resolve_args(args, config, knobs, attention)
-    logger.info("server_args=ServerArgs(%s)", ", ".join(f"{k}={v!r}" for k, v in resolved.items()))
     started = time.monotonic()
     logger.info("Load weight begin. avail mem=94.50 GB")
     try:

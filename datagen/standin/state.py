@@ -35,8 +35,8 @@ class ServerState:
     tokenizer: ChatTokenizer
     model: SyntheticModel
     scheduler: Scheduler
-    resolved: dict[str, Any]  # resolved server args as /server_info reports them (secrets masked)
-    launch_command: str
+    resolved: dict[str, Any]  # resolved server args as /server_info reports them (secrets in clear, as SGLang)
+    launch_command: str  # " ".join(argv), as SGLang's (unredacted)
     context_len: int
     max_req_input_len: int
     max_running_per_dp: int
@@ -44,6 +44,7 @@ class ServerState:
     startup_time: float = field(default_factory=time.time)
     generation_requests: int = 0  # HTTP generation requests received (stall knob)
     completed_requests: int = 0  # HTTP generation requests answered 200 (crash knob)
+    stall_logged: bool = False
     fault_rng: random.Random = field(default_factory=random.Random)
 
     @property
