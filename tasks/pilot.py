@@ -175,12 +175,19 @@ def fit_decode_model(
 ) -> tuple[DecodeModel, float, dict[str, Any]] | None:
     """Fit step_s(B) from the servers' own counters; returns (model, saturated tokens/s per server, details).
 
-    Each pair of consecutive readings of one server gives a point (mean batch, tokens decoded / seconds) from the
-    decoded-token counter (or, without --enable-metrics, the server's reported gen_throughput at that batch).
-    These count tokens as they are decoded, so a request that has not finished yet counts too. The saturated rate
-    is measured directly over intervals where the server ran a full batch; the slope of the step time in B comes
-    from a least-squares line over per-batch means (the pilot's drain supplies the low batches). The line is
-    anchored at the measured saturated rate. None when the servers never reported a running batch.
+    Each pair of consecutive readings of one server at the same running batch B gives a point (B, gen_throughput):
+    the server's own decode-step rate. The saturated rate is measured over intervals where the server ran a full
+    batch; the slope of the step time in B comes from a least-squares line over per-batch medians (the pilot's
+    drain supplies the low batches). The line is anchored at the measured saturated rate. None when the servers
+    never reported a running batch.
+
+    Why gen_throughput and not deltas of sglang:generation_tokens_total: real SGLang adds a request's tokens to
+    that counter when the request FINISHES (TokenizerMetricsCollector.observe_one_finished_request), so over the
+    probe's sub-second intervals a delta is either 0 or whole outputs at once, and it follows finishes, not the
+    decode speed at batch B (it would read 0 tok/s while 64 requests decode). gen_throughput is what SGLang's
+    scheduler measures per decode step (tokens generated over its last --decode-log-interval of 40 steps), in
+    /metrics and /v1/loads alike, so both paths read the same quantity. The finish-time counter (and the
+    client's own completion counts) only give a whole-run average, reported beside the fit by `measure`.
     """
     by_server: dict[str, list[ServerReading]] = defaultdict(list)
     for r in readings:
@@ -193,15 +200,9 @@ def fit_decode_model(
             dt = b.t - a.t
             if dt <= 0:
                 continue
-            if a.generation_tokens is not None and b.generation_tokens is not None:
-                if a.running <= 0 or b.running <= 0 or a.running != b.running:
-                    continue  # a batch change inside the interval mixes two rates
-                tokens = b.generation_tokens - a.generation_tokens
-                rate, batch = tokens / dt, a.running
-            else:
-                if b.running <= 0 or b.running != a.running:
-                    continue
-                tokens, rate, batch = b.gen_throughput * dt, b.gen_throughput, b.running
+            if a.running <= 0 or b.running != a.running:
+                continue  # a batch change inside the interval mixes two rates
+            tokens, rate, batch = b.gen_throughput * dt, b.gen_throughput, b.running
             if rate <= 0:
                 continue
             points[batch].append(batch / rate)
@@ -340,6 +341,8 @@ class ThroughputProbe:
             "slots_per_server": slots_per_server,
             "pilot_wall_s": wall,
             "pilot_output_tokens": total,
+            # Whole-run average from the completions the client received: a cross-check of the fit, not its input.
+            "whole_run_tokens_per_s": total / wall,
             "ramp_s": round(ramp, 3),
             "server_readings": len(self.server_readings),
             "counters": "metrics"

@@ -7,10 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from datagen.chat import ChatTokenizer
+from datagen.engine.client import sampling_params_for
+from datagen.engine.dispatcher import Dispatcher, GenerateJob
 from datagen.layout import RunLayout
 from datagen.model_fixture import ensure_model_dir
 from datagen.records import Prompt
 from datagen.runspec import PromptSource, QualityGate, RunSpec, SamplingSpec
+from datagen.standin.testing import run_standin
 from flows.expand_dataset import expand_dataset
 from flows.pilot import pilot_flow
 from tasks.ordering import LengthSample
@@ -20,6 +24,7 @@ from tasks.pilot import (
     DecodeModel,
     PilotSpec,
     ServerReading,
+    ThroughputProbe,
     dispatch_order,
     expand_population,
     fit_decode_model,
@@ -132,16 +137,19 @@ def test_expand_population_keeps_the_total_and_the_sample_mix() -> None:
     assert expand_population(samples, 0) == [] and expand_population([], 5) == []
 
 
-def test_fit_decode_model_recovers_the_step_line_from_decode_counters() -> None:
+def test_fit_decode_model_recovers_the_step_line_from_finish_time_counters() -> None:
+    """Real SGLang's generation_tokens_total grows only when a request finishes; the fit must not depend on it."""
     base, per_req, slots = 0.002, 0.0005, 8
     readings: list[ServerReading] = []
-    t, tokens = 0.0, 0.0
-    # Saturated for 10 intervals, then a drain through batches 6, 4, 2, 1 (two intervals each), 0.25 s apart.
-    for batch in [slots] * 11 + [6, 6, 6, 4, 4, 4, 2, 2, 2, 1, 1, 1]:
-        if readings and readings[-1].running == batch:
-            tokens += batch / (base + per_req * batch) * 0.25
+    t, finished_tokens = 0.0, 0.0
+    # Saturated for 10 intervals, then a drain through batches 6, 4, 2, 1 (three readings each), 0.25 s apart.
+    # The counter moves in lumps (a whole output when a request ends, here every third interval) and not at all
+    # in between; gen_throughput is the server's decode-step rate at the batch.
+    for i, batch in enumerate([slots] * 11 + [6, 6, 6, 4, 4, 4, 2, 2, 2, 1, 1, 1]):
+        if i % 3 == 0:
+            finished_tokens += 600.0
         t += 0.25
-        readings.append(ServerReading(t, "s0", batch, 0, tokens, 0.0))
+        readings.append(ServerReading(t, "s0", batch, 0, finished_tokens, batch / (base + per_req * batch)))
     fitted = fit_decode_model(readings, slots)
     assert fitted is not None
     model, saturated, details = fitted
@@ -150,3 +158,31 @@ def test_fit_decode_model_recovers_the_step_line_from_decode_counters() -> None:
     assert model.step_per_req_s == pytest.approx(per_req)
     assert details["single_request_tokens_per_s"] == pytest.approx(1 / (base + per_req), rel=1e-3)
     assert fit_decode_model([], slots) is None
+
+
+def test_probe_measures_decode_speed_on_a_server_that_counts_tokens_at_finish() -> None:
+    """A stand-in with a known step time (its /metrics counters move only when requests finish, as SGLang's):
+    the probe's saturated rate is the configured B / step_s(B), not the lumpy finish-time counter."""
+    step_ms, slots = 40.0, 8
+    env = {
+        "DATAGEN_STANDIN_LOAD_S": "0",
+        "DATAGEN_STANDIN_STEP_BASE_MS": str(step_ms),
+        "DATAGEN_STANDIN_TOKENS_PER_STEP": "4",
+        "DATAGEN_STANDIN_LENGTH_MEAN": "150",
+        "DATAGEN_STANDIN_LENGTH_MAX": "300",
+    }
+    chat = ChatTokenizer.from_model_dir(ensure_model_dir())
+    sampling = sampling_params_for(SamplingSpec(max_new_tokens=1024))
+    args = ["--max-running-requests", str(slots), "--enable-metrics", "--skip-server-warmup"]
+    with run_standin(chat.model_dir, args=args, env=env) as ep, Dispatcher([ep], stall_timeout_s=300.0) as d:
+        assert d.wait_ready(60)
+        with ThroughputProbe(d, [ep], interval_s=0.25) as probe:
+            prompts = [chat.prompt_ids([{"role": "user", "content": f"Item {i}: explain."}], True) for i in range(40)]
+            futures = [d.submit(GenerateJob(ids, sampling, label=str(i))) for i, ids in enumerate(prompts)]
+            results = [f.result(timeout=600) for f in futures]
+        measured = probe.measure()
+    assert all(r.completion_tokens > 0 for r in results)
+    assert measured["counters"] == "metrics" and measured["method"].startswith("saturated")
+    ideal = slots / (step_ms / 1000.0)  # 200 tok/s: every running request advances one token per step
+    # The stand-in's clock catches up after a starved moment, never runs ahead: allow a loaded machine's lag.
+    assert 0.6 * ideal <= measured["aggregate_tokens_per_s"] <= 1.05 * ideal, measured

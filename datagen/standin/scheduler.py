@@ -17,8 +17,8 @@ __all__ = ["ABORT_FINISH", "QueueFullError", "Req", "Scheduler"]
 logger = logging.getLogger("datagen.standin.scheduler")
 
 ABORT_FINISH: dict[str, Any] = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
-_DECODE_LOG_INTERVAL = 40  # steps between "Decode batch" log lines, as SGLang's --decode-log-interval default
-_THROUGHPUT_WINDOW_S = 5.0
+_DECODE_LOG_INTERVAL = 40  # decode steps per gen_throughput window and log line (--decode-log-interval default)
+_GEN_THROUGHPUT_STALENESS_S = 30.0  # SGLang's GEN_THROUGHPUT_STALENESS_SECONDS
 
 
 class QueueFullError(Exception):
@@ -54,7 +54,9 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.inflight: dict[str, Req] = {}
         self._wake = asyncio.Event()
-        self._samples: deque[tuple[float, int]] = deque()
+        self._decode_stats_tic = time.monotonic()
+        self._window_steps = 0
+        self._window_tokens = 0
         self.steps = 0
         # Counters behind /metrics (monotonic over the process lifetime). As SGLang's TokenizerMetricsCollector
         # (`observe_one_finished_request`), prompt and generation tokens and requests count when a request
@@ -113,14 +115,32 @@ class Scheduler:
 
     @property
     def gen_throughput(self) -> float:
-        """Output tokens per second over the last few seconds (0 when idle)."""
+        """SGLang's gen_throughput: tokens decoded over the last decode-log window, 0 once it is stale."""
+        if time.monotonic() - self._decode_stats_tic > _GEN_THROUGHPUT_STALENESS_S:
+            self.last_gen_throughput = 0.0
+        return self.last_gen_throughput
+
+    def _decode_stats(self, steps: int, tokens: int) -> None:
+        """SGLang's metrics_reporter: every decode_log_interval decode steps, rate = tokens / seconds since."""
+        self._window_steps += steps
+        self._window_tokens += tokens
+        if self._window_steps < _DECODE_LOG_INTERVAL:
+            return
         now = time.monotonic()
-        while self._samples and now - self._samples[0][0] > _THROUGHPUT_WINDOW_S:
-            self._samples.popleft()
-        if len(self._samples) < 2:
-            return 0.0
-        (t0, c0), (t1, c1) = self._samples[0], self._samples[-1]
-        return (c1 - c0) / (t1 - t0) if t1 > t0 else 0.0
+        gap = now - self._decode_stats_tic
+        self._decode_stats_tic = now
+        self.last_gen_throughput = self._window_tokens / gap if gap > 0 else 0.0
+        self._window_steps = self._window_tokens = 0
+        if self.running:
+            logger.info(
+                "Decode batch, #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
+                "#queue-req: %d,",
+                len(self.running),
+                self.num_used_tokens,
+                self.num_used_tokens / self.max_total_tokens,
+                self.last_gen_throughput,
+                len(self.waiting),
+            )
 
     # --- the loop ---------------------------------------------------------------------------
     def _token_seconds(self, batch: int) -> float:
@@ -180,15 +200,4 @@ class Scheduler:
             self.running = still
             self.decoded_tokens_total += produced
             self.steps += 1
-            self._samples.append((time.monotonic(), self.decoded_tokens_total))
-            if self.steps % _DECODE_LOG_INTERVAL == 0 and self.running:
-                self.last_gen_throughput = self.gen_throughput
-                logger.info(
-                    "Decode batch, #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
-                    "#queue-req: %d,",
-                    len(self.running),
-                    self.num_used_tokens,
-                    self.num_used_tokens / self.max_total_tokens,
-                    self.last_gen_throughput,
-                    len(self.waiting),
-                )
+            self._decode_stats(n, produced)  # n tokens per request = n decode steps
