@@ -199,7 +199,7 @@ def test_generate_strict_sampling_params(client: httpx.Client) -> None:
     error = r.json()["error"]
     assert isinstance(error, str) and error.startswith("unknown field `max_tokens`, expected one of `max_new_tokens`")
     r = _generate(client, {"text": "hi", "sampling_params": {"max_new_tokens": 100.0}})
-    assert r.json() == {"error": "invalid type: floating point `100`, expected i64"}
+    assert r.json() == {"error": "invalid type: floating point `100.0`, expected i64"}
     r = _generate(client, {"text": "hi", "sampling_params": {"top_p": 1.5}})
     assert r.status_code == 400 and r.json() == {"error": {"message": "top_p must be in (0, 1], got 1.5."}}
     r = _generate(client, {"sampling_params": {}})

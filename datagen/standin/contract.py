@@ -1,4 +1,10 @@
-"""Request checks with SGLang's error texts: the strict /generate contract, then sampling value checks."""
+"""Request checks with SGLang's error texts: the strict /generate contract, then sampling value checks.
+
+The contract half mirrors `sglang/api/v1/api_types.py` (generated from SGLang's proto schema; the Python server's
+`generate_contract_error` runs it on every /generate body): null means "absent" for every field, unknown
+`sampling_params` keys are refused, unknown top-level keys ignored. tests/conformance/test_http_contract.py
+runs the same bodies through the real decoder and this one and requires the same answer.
+"""
 
 from __future__ import annotations
 
@@ -17,24 +23,26 @@ __all__ = [
 
 
 class ContractError(ValueError):
-    """The body breaks the JSON contract (answered 400 with a plain-string `error`, like SGLang's serde check)."""
+    """The body breaks the JSON contract (answered 400 with a plain-string `error`, like SGLang's contract check)."""
 
 
 def describe(value: Any) -> str:
-    """A JSON value as serde's `Unexpected` names it in `invalid type: ...` messages."""
+    """A JSON value as the contract's `_unexpected` names it in `invalid type: ...` messages."""
     if value is None:
         return "null"
     if isinstance(value, bool):
-        return f"boolean `{str(value).lower()}`"
+        return f"boolean `{'true' if value else 'false'}`"
     if isinstance(value, int):
         return f"integer `{value}`"
     if isinstance(value, float):
-        return f"floating point `{int(value) if value.is_integer() else value}`"
+        return f"floating point `{value}`"
     if isinstance(value, str):
         return f'string "{value}"'
     if isinstance(value, list):
         return "sequence"
-    return "map"
+    if isinstance(value, dict):
+        return "map"
+    return type(value).__name__
 
 
 def _is_int(v: Any) -> bool:
@@ -45,103 +53,169 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
-Check = tuple[Callable[[Any], bool], str]
-_INT: Check = (_is_int, "i64")
-_OPT_INT: Check = (lambda v: v is None or _is_int(v), "i64")
-_FLOAT: Check = (_is_num, "f64")
-_OPT_FLOAT: Check = (lambda v: v is None or _is_num(v), "f64")
-_BOOL: Check = (lambda v: isinstance(v, bool), "a boolean")
-_OPT_STR: Check = (lambda v: v is None or isinstance(v, str), "a string")
-_STR_OR_LIST: Check = (
-    lambda v: v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
-    "a string or a sequence of strings",
-)
-_INT_LIST: Check = (lambda v: v is None or (isinstance(v, list) and all(_is_int(i) for i in v)), "a sequence of i64")
-_MAP: Check = (lambda v: v is None or isinstance(v, dict), "a map")
-_ANY: Check = (lambda v: True, "any value")
+def _invalid(value: Any, expected: str) -> ContractError:
+    return ContractError(f"invalid type: {describe(value)}, expected {expected}")
 
-# sglang/api/v1/api_types.py: SamplingParams, in declaration order (the order of the "expected one of" list).
-SAMPLING_FIELDS: dict[str, Check] = {
-    "max_new_tokens": _OPT_INT,
-    "stop": _STR_OR_LIST,
-    "stop_token_ids": _INT_LIST,
-    "stop_regex": _STR_OR_LIST,
-    "temperature": _FLOAT,
-    "top_p": _FLOAT,
-    "top_k": _INT,
-    "min_p": _FLOAT,
-    "frequency_penalty": _FLOAT,
-    "presence_penalty": _FLOAT,
-    "repetition_penalty": _FLOAT,
-    "min_new_tokens": _INT,
-    "n": _INT,
-    "json_schema": _OPT_STR,
-    "regex": _OPT_STR,
-    "ebnf": _OPT_STR,
-    "structural_tag": _ANY,
+
+def _expect(ok: Callable[[Any], bool], expected: str) -> Callable[[Any], None]:
+    def check(v: Any) -> None:
+        if not ok(v):
+            raise _invalid(v, expected)
+
+    return check
+
+
+def _seq_of(item: Callable[[Any], None]) -> Callable[[Any], None]:
+    def check(v: Any) -> None:
+        if not isinstance(v, list):
+            raise _invalid(v, "a sequence")
+        for e in v:
+            item(e)
+
+    return check
+
+
+def _one_or_list(item: Callable[[Any], None], name: str, expected_item: str) -> Callable[[Any], None]:
+    def check(v: Any) -> None:
+        if isinstance(v, list):
+            _seq_of(item)(v)
+        else:
+            _expect(lambda x: _scalar_ok(x, expected_item), f"a value or an array of values for {name}")(v)
+
+    return check
+
+
+def _scalar_ok(v: Any, kind: str) -> bool:
+    return {"str": isinstance(v, str), "bool": isinstance(v, bool), "int": _is_int(v)}[kind]
+
+
+_I64 = _expect(_is_int, "i64")
+_F64 = _expect(_is_num, "f64")
+_BOOL = _expect(lambda v: isinstance(v, bool), "a boolean")
+_STR = _expect(lambda v: isinstance(v, str), "a string")
+_STRING_OR_LIST = _one_or_list(_STR, "StringOrList", "str")
+_I64_LIST = _seq_of(_I64)
+
+
+def _logit_bias(v: Any) -> None:
+    if not isinstance(v, dict):
+        raise _invalid(v, "a map")
+    for e in v.values():
+        _F64(e)
+
+
+def _watermark(v: Any) -> None:
+    if not isinstance(v, dict):
+        raise _invalid(v, "struct WatermarkRequestConfig")
+    fields = {"enabled": _BOOL, "key": _STR, "context_window": _I64}
+    for key, x in v.items():
+        if key not in fields:
+            raise _unknown_field(key, tuple(fields))
+        if x is not None:
+            fields[key](x)
+
+
+def _choice(v: Any) -> None:
+    _seq_of(_STR)(v)
+
+
+def _anything(v: Any) -> None:
+    return None
+
+
+# decode_SamplingParams, field by field in declaration order (the order of the "expected one of" list).
+SAMPLING_FIELDS: dict[str, Callable[[Any], None]] = {
+    "max_new_tokens": _I64,
+    "stop": _STRING_OR_LIST,
+    "stop_token_ids": _I64_LIST,
+    "stop_regex": _STRING_OR_LIST,
+    "temperature": _F64,
+    "top_p": _F64,
+    "top_k": _I64,
+    "min_p": _F64,
+    "frequency_penalty": _F64,
+    "presence_penalty": _F64,
+    "repetition_penalty": _F64,
+    "min_new_tokens": _I64,
+    "n": _I64,
+    "json_schema": _STR,
+    "regex": _STR,
+    "ebnf": _STR,
+    "structural_tag": _STR,
     "ignore_eos": _BOOL,
     "skip_special_tokens": _BOOL,
     "spaces_between_special_tokens": _BOOL,
     "no_stop_trim": _BOOL,
-    "stream_interval": _OPT_INT,
-    "logit_bias": _MAP,
-    "sampling_seed": _OPT_INT,
-    "custom_params": _MAP,
-    "beam_width": _OPT_INT,
-    "watermark": _ANY,
-    "choice": _ANY,
+    "stream_interval": _I64,
+    "logit_bias": _logit_bias,
+    "sampling_seed": _I64,
+    "custom_params": _anything,
+    "beam_width": _I64,
+    "watermark": _watermark,
+    "choice": _choice,
 }
-_EXPECTED = ", ".join(f"`{name}`" for name in SAMPLING_FIELDS)
 
-_TOP_LEVEL: dict[str, Check] = {
-    "text": _STR_OR_LIST,
-    "input_ids": (
-        lambda v: (
-            v is None
-            or (
-                isinstance(v, list)
-                and (all(_is_int(i) for i in v) or all(_INT_LIST[0](x) and x is not None for x in v))
-            )
-        ),
-        "a sequence of i64 or a sequence of sequences of i64",
-    ),
-    "rid": _STR_OR_LIST,
+
+def _unknown_field(key: str, fields: tuple[str, ...]) -> ContractError:
+    if not fields:
+        return ContractError(f"unknown field `{key}`, there are no fields")
+    if len(fields) == 1:
+        return ContractError(f"unknown field `{key}`, expected `{fields[0]}`")
+    if len(fields) == 2:
+        return ContractError(f"unknown field `{key}`, expected `{fields[0]}` or `{fields[1]}`")
+    listed = ", ".join(f"`{f}`" for f in fields)
+    return ContractError(f"unknown field `{key}`, expected one of {listed}")
+
+
+def _token_ids_or_list(v: Any) -> None:
+    if not isinstance(v, list):
+        raise _invalid(v, "a value or an array of values for TokenIdsOrList")
+    if not v or _is_num(v[0]):  # [] and [scalar, ...] are one flat list; anything else is a batch
+        _I64_LIST(v)
+    else:
+        _seq_of(_I64_LIST)(v)
+
+
+# The top-level fields the stand-in reads (decode_GenerateRequest checks these the same way).
+_TOP_LEVEL: dict[str, Callable[[Any], None]] = {
+    "rid": _STRING_OR_LIST,
+    "text": _STRING_OR_LIST,
+    "input_ids": _token_ids_or_list,
     "stream": _BOOL,
-    "return_logprob": (lambda v: v is None or isinstance(v, bool | list), "a boolean"),
+    "return_logprob": _one_or_list(_BOOL, "BoolOrList", "bool"),
     "require_reasoning": _BOOL,
 }
-
-
-def _check(value: Any, check: Check) -> None:
-    ok, expected = check
-    if not ok(value):
-        raise ContractError(f"invalid type: {describe(value)}, expected {expected}")
 
 
 def check_sampling_params(params: Any) -> dict[str, Any]:
     """Reject unknown keys and wrong JSON types exactly as the contract does; returns the dict."""
     if not isinstance(params, dict):
-        raise ContractError(f"invalid type: {describe(params)}, expected struct SamplingParams")
+        raise _invalid(params, "struct SamplingParams")
     for key, value in params.items():
         if key not in SAMPLING_FIELDS:
-            raise ContractError(f"unknown field `{key}`, expected one of {_EXPECTED}")
-        _check(value, SAMPLING_FIELDS[key])
+            raise _unknown_field(key, tuple(SAMPLING_FIELDS))
+        if value is not None:
+            SAMPLING_FIELDS[key](value)
     return params
 
 
 def check_generate_body(body: Any) -> dict[str, Any]:
-    """Top-level /generate contract: a JSON object with well-typed text/input_ids/rid/sampling_params."""
+    """Top-level /generate contract: a JSON object; fields checked in the body's own key order, as the decoder."""
     if not isinstance(body, dict):
-        raise ContractError(f"invalid type: {describe(body)}, expected struct GenerateRequest")
-    for key, check in _TOP_LEVEL.items():
-        if key in body:
-            _check(body[key], check)
-    sp = body.get("sampling_params")
-    if isinstance(sp, list):
-        for item in sp:
-            check_sampling_params(item)
-    elif sp is not None:
-        check_sampling_params(sp)
+        raise _invalid(body, "struct GenerateRequest")
+    for key, value in body.items():
+        if value is None:
+            continue
+        if key == "sampling_params":
+            if isinstance(value, list):
+                for item in value:
+                    check_sampling_params(item)
+            elif isinstance(value, dict):
+                check_sampling_params(value)
+            else:
+                raise _invalid(value, "a value or an array of values for SamplingParamsOrList")
+        elif key in _TOP_LEVEL:
+            _TOP_LEVEL[key](value)
     return body
 
 
