@@ -228,21 +228,51 @@ def _config() -> dict[str, object]:
         "architectures": ["Qwen3_5ForConditionalGeneration"],
         "model_type": "qwen3_5",
         "max_position_embeddings": 262144,
-        "text_config": {"model_type": "qwen3_5_text", "eos_token_id": 248044, "vocab_size": 248320},
+        # SGLang derives the context length from text_config (ModelConfig._derive_context_length).
+        "text_config": {
+            "model_type": "qwen3_5_text",
+            "eos_token_id": 248044,
+            "vocab_size": 248320,
+            "max_position_embeddings": 262144,
+        },
         "eos_token_id": 248044,
         "vocab_size": 248320,
         "datagen_fixture": FIXTURE_VERSION,
     }
 
 
+# The vision processor files: without --language-model-only (rejected for Qwen3.6 by SGLang 0.5.23) the
+# real server loads AutoProcessor (Qwen3VLProcessor) at startup. Values as Qwen3-VL-family checkpoints ship.
+_PROCESSOR_COMMON = {
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "processor_class": "Qwen3VLProcessor",
+}
+_PREPROCESSOR_CONFIG = {
+    **_PROCESSOR_COMMON,
+    "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+    "image_processor_type": "Qwen2VLImageProcessorFast",
+}
+_VIDEO_PREPROCESSOR_CONFIG = {
+    **_PROCESSOR_COMMON,
+    "size": {"longest_edge": 25165824, "shortest_edge": 4096},
+    "video_processor_type": "Qwen3VLVideoProcessor",
+}
+
+
 def build_model_dir(path: Path) -> Path:
-    """Write tokenizer.json, tokenizer_config.json, chat_template.jinja and config.json into `path`."""
+    """Write tokenizer, template, config.json and processor configs into `path`."""
     path.mkdir(parents=True, exist_ok=True)
     files = {
         "tokenizer.json": _tokenizer_json(_load_ranks()),
         "tokenizer_config.json": _tokenizer_config(),
         "config.json": _config(),
         "generation_config.json": {"eos_token_id": [248046, 248044], "temperature": 1.0, "top_p": 0.95, "top_k": 20},
+        "preprocessor_config.json": _PREPROCESSOR_CONFIG,
+        "video_preprocessor_config.json": _VIDEO_PREPROCESSOR_CONFIG,
     }
     for name, content in files.items():
         _atomic_write(path / name, json.dumps(content, ensure_ascii=False))
@@ -268,7 +298,8 @@ def default_fixture_dir() -> Path:
 def ensure_model_dir(path: Path | None = None) -> Path:
     """Return a ready fixture model directory, building it once (a few seconds) if absent."""
     target = path or default_fixture_dir()
-    marker = target / "config.json"
-    if marker.exists() and (target / "tokenizer.json").exists():
+    # Every file, not a version: a directory built before a file was added gets it on the next use.
+    names = ("config.json", "tokenizer.json", "preprocessor_config.json", "video_preprocessor_config.json")
+    if all((target / name).exists() for name in names):
         return target
     return build_model_dir(target)

@@ -12,7 +12,7 @@ from pathlib import Path
 from datagen.checks import CheckResult
 from datagen.checks.gpu import GpuProbeError, gpu_checks, run_probe
 from datagen.checks.model_dir import check_free_ram, check_free_space, model_dir_checks
-from datagen.checks.server_flags import server_flag_checks
+from datagen.checks.server_flags import SERVER_FLAG_CHECK_NAMES, server_flag_checks
 from datagen.runspec import RunSpec
 from datagen.settings import Settings
 
@@ -91,7 +91,7 @@ def _model_and_host(settings: Settings, spec: RunSpec) -> list[CheckResult]:
 def _flags(settings: Settings, spec: RunSpec) -> list[CheckResult]:
     if settings.server_urls:
         why = "attach mode: the servers were launched elsewhere"
-        return [CheckResult(n, "skipped", why) for n in ("engine.server_flags", "engine.attention_backend")]
+        return [CheckResult(n, "skipped", why) for n in SERVER_FLAG_CHECK_NAMES]
     return server_flag_checks(settings, spec)
 
 

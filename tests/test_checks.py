@@ -27,6 +27,7 @@ from datagen.checks.model_dir import (
     check_chat_template,
     check_free_ram,
     check_free_space,
+    check_processor,
     check_tmpfs,
     check_weights,
     filesystem_of,
@@ -36,10 +37,7 @@ from datagen.checks.model_dir import (
 )
 from datagen.checks.server_flags import (
     check_attention_backend,
-    check_flags,
-    flags_of,
-    parse_help_flags,
-    read_engine_flags,
+    run_flag_probe,
     server_flag_checks,
 )
 from datagen.model_fixture import ensure_model_dir
@@ -183,6 +181,7 @@ def make_model_dir(root: Path) -> Path:
     (d / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForConditionalGeneration"]}))
     (d / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "BPE"}}))
     (d / "chat_template.jinja").write_text("{{ messages }}")
+    (d / "preprocessor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}))
     write_safetensors(d / "model-00001-of-00002.safetensors", {"a.weight": 1000, "b.weight": 300})
     write_safetensors(d / "model-00002-of-00002.safetensors", {"c.weight": 4096})
     weight_map = {
@@ -208,7 +207,24 @@ def test_complete_model_dir_passes(tmp_path: Path) -> None:
     assert "2 weight file(s)" in r["model_dir.weights"].detail
     assert r["model_dir.tokenizer"].status == "pass"
     assert r["model_dir.chat_template"].status == "pass"
+    assert r["model_dir.processor"].status == "pass"
     assert r["model_dir.tmpfs"].status == "skipped"
+
+
+def test_vision_processor_configs_are_required(tmp_path: Path) -> None:
+    """SGLang loads Qwen3.6's vision processor at startup; the lookup mirrors transformers' own."""
+    d = make_model_dir(tmp_path)
+    assert "video processor from preprocessor_config.json" in check_processor(d).detail  # the fallback
+    (d / "preprocessor_config.json").unlink()
+    missing = check_processor(d)
+    assert missing.status == "fail"
+    assert "image or video processor config" in missing.detail
+    (d / "video_preprocessor_config.json").write_text("{}")
+    assert "no readable image processor config" in check_processor(d).detail
+    (d / "processor_config.json").write_text(json.dumps({"image_processor": {}, "video_processor": {}}))
+    assert check_processor(d).status == "pass"
+    (d / "processor_config.json").write_text("not json")
+    assert check_processor(d).status == "fail"
 
 
 def test_missing_shard_fails_naming_it(tmp_path: Path) -> None:
@@ -252,7 +268,7 @@ def test_wrong_architecture_and_missing_template_fail(tmp_path: Path) -> None:
 
 def test_missing_model_dir_fails_once_and_skips_the_rest(tmp_path: Path) -> None:
     results = model_dir_checks(tmp_path / "nope", require_tmpfs=True)
-    assert [r.status for r in results] == ["fail", *["skipped"] * 5]
+    assert [r.status for r in results] == ["fail", *["skipped"] * 6]
 
 
 def test_filesystem_of_uses_the_longest_mount_prefix() -> None:
@@ -304,51 +320,52 @@ def test_free_space_and_ram_thresholds(tmp_path: Path) -> None:
 
 # --- launch flags ------------------------------------------------------------------------------------
 
-HELP = """usage: sglang serve [-h] --model-path MODEL_PATH [--tp-size TP_SIZE]
-  --model-path MODEL_PATH, --model MODEL_PATH
-  --tp-size TP_SIZE, --tensor-parallel-size TP_SIZE
-  --mamba-radix-cache-strategy {auto,no_buffer}
-  --mamba-track-interval MAMBA_TRACK_INTERVAL
-  --attention-backend {fa3,flashinfer,triton}
-"""
 
-
-def test_unknown_flag_is_named_and_abbreviations_resolve_like_argparse() -> None:
-    known = parse_help_flags(HELP)
-    assert {"--model-path", "--model", "--tp-size", "--mamba-radix-cache-strategy"} <= known
-    ok = check_flags(["--model-path", "m", "--tp", "1", "--mamba-radix", "auto"], known, "sglang")
-    assert ok.status == "pass"
-    bad = check_flags(["--model-path", "m", "--mamba-scheduler-strategy=auto", "--mamba"], known, "sglang")
-    assert bad.status == "fail"
-    assert "--mamba-scheduler-strategy" in bad.detail
-    assert "--mamba" in bad.detail  # ambiguous prefix: argparse refuses it too
-    assert flags_of(["--a=1", "x", "--b", "-c", "--"]) == ["--a", "--b"]
-
-
-def test_fa3_on_sm120_is_refused_before_launch() -> None:
+def test_only_the_hybrid_gdn_allow_list_passes_on_sm120() -> None:
     args = ["--attention-backend", "fa3"]
     assert check_attention_backend(args, ["12.0"]).status == "fail"
     assert check_attention_backend(args, ["9.0"]).status == "pass"
     assert check_attention_backend(["--decode-attention-backend=fa4"], ["12.0"]).status == "fail"
+    torch_native = check_attention_backend(["--prefill-attention-backend", "torch_native"], ["12.0"])
+    assert torch_native.status == "fail"  # not fa3/fa4, and still refused by SGLang on SM120
+    assert "flashinfer, triton, trtllm_mha" in torch_native.detail
+    assert check_attention_backend(["--attention-backend", "triton"], ["12.0"]).status == "pass"
 
 
-def test_flags_checked_against_the_real_standin_help(tmp_path: Path) -> None:
+def test_flags_and_settings_judged_by_the_standin_s_own_code(tmp_path: Path) -> None:
+    """Names, values and settings resolution: what the stand-in's parser and resolution say, not --help text."""
     settings = Settings(engine="standin", work_dir=tmp_path)
-    spec = RunSpec(model_path=str(tmp_path), context_length=32768, server_args=["--disable-radix-cache"])
+    spec = RunSpec(model_path=str(ensure_model_dir()), context_length=32768, server_args=["--disable-radix-cache"])
     r = by_name(server_flag_checks(settings, spec))
     assert r["engine.server_flags"].status == "pass", r["engine.server_flags"].detail
+    assert r["engine.settings"].status == "pass", r["engine.settings"].detail
     assert r["engine.attention_backend"].status == "pass"
     old = spec.model_copy(update={"server_args": ["--mamba-scheduler-strategy", "no_buffer"]})
     r = by_name(server_flag_checks(settings, old))
     assert r["engine.server_flags"].status == "fail"
     assert "--mamba-scheduler-strategy" in r["engine.server_flags"].detail
+    assert r["engine.settings"].status == "skipped"
+    bad_value = spec.model_copy(update={"server_args": ["--mamba-radix-cache-strategy", "sometimes"]})
+    detail = by_name(server_flag_checks(settings, bad_value))["engine.server_flags"].detail
+    assert "invalid choice: 'sometimes'" in detail  # a value, not only a name, is checked
+    lmo = spec.model_copy(update={"server_args": ["--language-model-only"]})
+    refused = by_name(server_flag_checks(settings, lmo))["engine.settings"]
+    assert refused.status == "fail"
+    assert "--language-model-only does not support ['Qwen3_5ForConditionalGeneration']" in refused.detail
+    missing = spec.model_copy(update={"model_path": str(tmp_path / "absent")})
+    assert by_name(server_flag_checks(settings, missing))["engine.settings"].status == "skipped"
 
 
 def test_missing_sglang_is_reported_by_the_flag_check(tmp_path: Path) -> None:
     settings = Settings(engine="sglang", engine_python=sys.executable, work_dir=tmp_path)
-    known = read_engine_flags(settings)
-    assert isinstance(known, str)
-    assert "sglang" in known
+    report = run_flag_probe(settings, ["--model-path", "m"], resolve=False)
+    assert isinstance(report, str)
+    assert "No module named 'sglang'" in report
+    assert "DATAGEN_ENGINE_PYTHON" in report
+    absent = Settings(engine="sglang", engine_python=str(tmp_path / "no-python"), work_dir=tmp_path)
+    r = by_name(server_flag_checks(absent, RunSpec(model_path=str(tmp_path))))
+    assert r["engine.server_flags"].status == "fail"
+    assert "set DATAGEN_ENGINE_PYTHON" in r["engine.server_flags"].detail
 
 
 # --- the whole report ------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +16,8 @@ from pydantic import SecretStr
 from datagen.engine.launcher import (
     arch_args,
     engine_command,
+    ephemeral_low,
+    free_ports_below_ephemeral,
     launch_flags,
     log_tail,
     mask_command,
@@ -54,7 +57,8 @@ def test_sglang_command_has_the_recommended_flags_and_flashinfer_on_sm120() -> N
     assert pairs["--context-length"] == "65536"
     assert pairs["--attention-backend"] == "flashinfer"
     assert pairs["--nccl-port"] == "41000"
-    assert "--language-model-only" in flags
+    # 0.5.23 rejects it for Qwen3.6 while resolving settings (tests/conformance/test_launch_conformance.py).
+    assert "--language-model-only" not in flags
     assert flags[-1] == "--disable-radix-cache"  # the run spec's extra flags come last
 
 
@@ -73,6 +77,21 @@ def test_attention_backend_by_architecture() -> None:
     assert arch_args(["12.0"], ["--attention-backend", "triton"]) == []  # the spec's choice wins
     settings = Settings(allowed_compute_capabilities=["9.0"])
     assert "--attention-backend" not in launch_flags(settings, RunSpec(), 30000, "k")
+
+
+def test_nccl_ports_are_free_distinct_and_below_the_ephemeral_range(tmp_path: Path) -> None:
+    """Like SGLang's own choice: the kernel never hands such a port to a connection before NCCL binds it."""
+    serving = range(30000, 30008)
+    ports = free_ports_below_ephemeral(8, exclude=serving)
+    assert len(set(ports)) == 8
+    assert all(20000 <= p < min(32768, ephemeral_low()) and p not in serving for p in ports)
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("0.0.0.0", port))  # free on every interface, as NCCL's TCPStore binds it
+    custom = tmp_path / "ip_local_port_range"
+    custom.write_text("25000\t60999\n")
+    assert ephemeral_low(custom) == 25000
+    assert ephemeral_low(tmp_path / "absent") == 32768
 
 
 def test_mask_command_hides_every_form_of_the_key() -> None:

@@ -1,4 +1,4 @@
-"""Model-directory and host-resource checks: weights complete, on tmpfs, tokenizer and template present, room to work.
+"""Model-directory and host checks: weights complete, on tmpfs, tokenizer, template, processor present, room to work.
 
 Weight files are verified without reading their data: a safetensors file starts with an 8-byte
 little-endian header length and a JSON header whose largest `data_offsets` end is the size of the
@@ -24,6 +24,7 @@ __all__ = [
     "check_exists",
     "check_free_ram",
     "check_free_space",
+    "check_processor",
     "check_tmpfs",
     "check_tokenizer",
     "check_weights",
@@ -216,6 +217,54 @@ def check_chat_template(model_dir: Path) -> CheckResult:
     return CheckResult(name, "fail", f"no chat_template.jinja and no chat_template in {config.name}")
 
 
+def _json_object(path: Path) -> dict[str, object] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def check_processor(model_dir: Path) -> CheckResult:
+    """The vision processor's configs are present: SGLang 0.5.23 loads Qwen3.6's processor at startup.
+
+    Real SGLang starts Qwen3.6 with its vision tower (`--language-model-only` is rejected for this
+    architecture), so its tokenizer manager calls transformers' AutoProcessor (Qwen3VLProcessor), which
+    reads the image processor from processor_config.json["image_processor"] or preprocessor_config.json,
+    and the video processor from processor_config.json["video_processor"], video_preprocessor_config.json
+    or, failing both, preprocessor_config.json (transformers 5.19, the release sglang 0.5.23 pins).
+    """
+    name = "model_dir.processor"
+    processor = _json_object(model_dir / "processor_config.json") or {}
+    pre = _json_object(model_dir / "preprocessor_config.json")
+    video_pre = _json_object(model_dir / "video_preprocessor_config.json")
+    image = "preprocessor_config.json" if pre is not None else None
+    if image is None and isinstance(processor.get("image_processor"), dict):
+        image = "processor_config.json"
+    video = next(
+        (
+            label
+            for label, ok in (
+                ("processor_config.json", isinstance(processor.get("video_processor"), dict)),
+                ("video_preprocessor_config.json", video_pre is not None),
+                ("preprocessor_config.json", pre is not None),
+            )
+            if ok
+        ),
+        None,
+    )
+    if image and video:
+        return CheckResult(name, "pass", f"image processor from {image}, video processor from {video}")
+    missing = [what for what, found in (("image", image), ("video", video)) if not found]
+    return CheckResult(
+        name,
+        "fail",
+        f"no readable {' or '.join(missing)} processor config (preprocessor_config.json, "
+        "video_preprocessor_config.json or processor_config.json): SGLang loads Qwen3.6's vision processor "
+        "at startup and exits without it; copy these files from the checkpoint",
+    )
+
+
 def _existing_ancestor(path: Path) -> Path:
     p = path.absolute()
     while not p.exists() and p != p.parent:
@@ -255,7 +304,8 @@ def model_dir_checks(
     exists = check_exists(model_dir)
     if exists.failed:
         rest = ["model_dir.tmpfs", "model_dir.architecture", "model_dir.weights", "model_dir.tokenizer"]
-        return [exists, *_skipped([*rest, "model_dir.chat_template"], f"{model_dir} does not exist")]
+        rest += ["model_dir.chat_template", "model_dir.processor"]
+        return [exists, *_skipped(rest, f"{model_dir} does not exist")]
     weights = (
         check_weights(model_dir)
         if weights_skip_reason is None
@@ -268,4 +318,5 @@ def model_dir_checks(
         weights,
         check_tokenizer(model_dir),
         check_chat_template(model_dir),
+        check_processor(model_dir),
     ]

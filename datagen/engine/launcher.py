@@ -56,6 +56,8 @@ __all__ = [
     "ServerStartError",
     "arch_args",
     "engine_command",
+    "ephemeral_low",
+    "free_ports_below_ephemeral",
     "launch_flags",
     "log_tail",
     "mask_command",
@@ -135,7 +137,9 @@ def launch_flags(settings: Settings, spec: RunSpec, port: int, api_key: str, ncc
         "1",  # one server per GPU: PCIe-only boxes, no tensor parallelism
         "--reasoning-parser",
         "qwen3",
-        "--language-model-only",  # text-only bulk work: skip the vision tower, more KV/mamba memory
+        # No --language-model-only: 0.5.23 rejects it for Qwen3.6 at settings resolution (its allow-list,
+        # ServerArgs.LANGUAGE_MODEL_ONLY_ARCHITECTURES, omits Qwen3_5ForConditionalGeneration); the vision
+        # tower loads. tests/conformance/test_launch_conformance.py resolves this argv with the real code.
         "--context-length",
         str(spec.context_length),
     ]
@@ -236,20 +240,6 @@ def _port_open(host: str, port: int, timeout: float = 1.0) -> bool:
         return False
 
 
-def _free_ports(n: int, exclude: Iterable[int]) -> list[int]:
-    """`n` distinct ports that are free now (the kernel's choice), none of them in `exclude`."""
-    taken = set(exclude)
-    ports: list[int] = []
-    while len(ports) < n:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in taken:
-            taken.add(port)
-            ports.append(port)
-    return ports
-
-
 # Below Linux's default ephemeral range (32768-60999): the kernel never hands these ports to an outgoing
 # connection or a port-0 bind, so a port found free stays free unless someone asks for it by number.
 _AUTO_PORT_RANGE = (20000, 32768)
@@ -266,13 +256,42 @@ def _free_base_port(n: int, attempts: int = 200) -> int:
     raise PortInUseError("fleet", f"found no {n} consecutive free ports between {lo} and {hi}", None, ())
 
 
-def _port_is_free(port: int) -> bool:
+def _port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError:
             return False
         return True
+
+
+def ephemeral_low(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> int:
+    """First port of the kernel's ephemeral range (32768 when it cannot be read)."""
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports_below_ephemeral(n: int, exclude: Iterable[int], attempts: int = 2000) -> list[int]:
+    """`n` distinct ports free now on all interfaces, below the ephemeral range and none in `exclude`.
+
+    For ports a server binds only later (NCCL's TCPStore): a port the kernel may hand to any outgoing
+    connection or port-0 bind in the meantime would be taken by then. SGLang picks its own NCCL port the
+    same way (`utils/network.py: get_free_port_below_ephemeral`, binding 0.0.0.0).
+    """
+    lo, hi = _AUTO_PORT_RANGE[0], min(_AUTO_PORT_RANGE[1], ephemeral_low()) - 1
+    taken = set(exclude)
+    candidates = [p for p in range(lo, hi + 1) if p not in taken]
+    rng = random.Random()
+    rng.shuffle(candidates)
+    ports: list[int] = []
+    for port in candidates[:attempts]:
+        if _port_is_free(port, "0.0.0.0"):
+            ports.append(port)
+            if len(ports) == n:
+                return ports
+    raise PortInUseError("fleet", f"found no {n} free NCCL ports between {lo} and {hi}", None, ())
 
 
 def _connect_host(host: str) -> str:
@@ -471,7 +490,7 @@ class ServerFleet(Sequence[ServerEndpoint]):
     def _plan_servers(self, settings: Settings) -> list[_Server]:
         """One server per GPU on base_port + i, each with its own NCCL port outside the serving ports."""
         serving = range(settings.base_port, settings.base_port + settings.num_servers)
-        nccl_ports = _free_ports(settings.num_servers, exclude=serving)
+        nccl_ports = free_ports_below_ephemeral(settings.num_servers, exclude=serving)
         return [
             _Server(
                 name=f"gpu{i}",

@@ -7,16 +7,18 @@ import json
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any
+from decimal import Decimal
+from pathlib import Path
 
 __all__ = [
     "ATTENTION_BACKEND_CHOICES",
+    "LANGUAGE_MODEL_ONLY_ARCHITECTURES",
     "LINEAR_ATTN_BACKEND_CHOICES",
     "build_parser",
     "human_readable_int",
     "main",
     "parse_args",
-    "redacted_argv",
+    "resolve_settings",
 ]
 
 # sglang/srt/arg_groups/choices.py: ATTENTION_BACKEND_CHOICES (0.5.23).
@@ -68,90 +70,169 @@ SCHEDULE_POLICY_CHOICES = (
     "hrrn",
     "shortest-prefill-first",
 )
-SAMPLING_BACKEND_CHOICES = ("flashinfer", "pytorch", "ascend")
+SAMPLING_BACKEND_CHOICES = ("flashinfer", "pytorch", "ascend", "intel_xpu")
+# server_args.py: "auto" + the reasoning parser registry (0.5.23); tests/conformance compares them.
 REASONING_PARSER_CHOICES = (
     "auto",
+    "apertus2509",
+    "beam",
     "deepseek-r1",
     "deepseek-v3",
+    "deepseek-v4",
+    "deepseek-v41",
+    "dots",
     "glm45",
+    "ling3",
+    "hunyuan",
     "gpt-oss",
-    "interns1",
+    "k2_horizon",
     "kimi",
     "kimi_k2",
-    "minimax",
-    "minimax-append-think",
-    "nano_v3",
+    "kimi_k3",
+    "mimo",
+    "muse",
+    "poolside_v1",
     "qwen3",
     "qwen3-thinking",
+    "minimax",
+    "minimax-append-think",
+    "minimax-m3",
+    "nanbeige",
     "step3",
+    "step3p5",
+    "mistral",
+    "nemotron_3",
+    "granite_thinking_parser",
+    "interns1",
+    "gemma4",
+    "inkling",
+    "iquest_q1",
+    "cohere_command4",
+    "gigachat35",
+    "response_template",
 )
+# server_args.py: "auto" + the function-call parser registry (0.5.23).
 TOOL_CALL_PARSER_CHOICES = (
+    "auto",
+    "apertus2509",
+    "beam",
+    "cohere_command4",
     "deepseekv3",
     "deepseekv31",
+    "deepseekv32",
+    "deepseekv4",
+    "deepseekv41",
+    "dots",
     "glm",
     "glm45",
+    "glm47",
     "gpt-oss",
+    "k2_horizon",
     "kimi_k2",
+    "kimi_k3",
+    "lfm2",
+    "ling3",
     "llama3",
+    "mimo",
+    "minicpm5",
     "mistral",
+    "muse",
+    "poolside_v1",
     "pythonic",
     "qwen",
     "qwen25",
     "qwen3_coder",
+    "spark25",
     "step3",
+    "step3p5",
+    "minimax-m2",
+    "minimax-m3",
+    "nanbeige",
+    "trinity",
+    "interns1",
+    "hermes",
+    "hunyuan",
+    "gigachat3",
+    "gigachat35",
+    "gemma4",
+    "inkling",
+    "iquest_q1",
+    "response_template",
 )
 LOAD_FORMAT_CHOICES = (
     "auto",
     "pt",
     "safetensors",
+    "instanttensor",
     "npcache",
     "dummy",
     "sharded_state",
+    "presharded",
     "gguf",
+    "expert_pack",
     "bitsandbytes",
+    "mistral",
     "layered",
     "flash_rl",
     "remote",
     "remote_instance",
     "fastsafetensors",
     "private",
+    "runai_streamer",
 )
 MAMBA_STRATEGY_CHOICES = ("auto", "no_buffer", "extra_buffer", "extra_buffer_lazy")
 MAMBA_SSM_DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 CUDA_GRAPH_BACKEND_CHOICES = ("full", "breakable", "disabled")
-SPECULATIVE_ALGORITHM_CHOICES = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM", "DFLASH", "DSPARK", "UNO")
+# Not argparse choices in 0.5.23 (any string parses); resolution takes these, in any case
+# (`SpeculativeAlgorithm.from_string`: the enum's members plus the alias NEXTN), and rejects the rest.
+SPECULATIVE_ALGORITHM_CHOICES = (
+    "DFLASH",
+    "UNO",
+    "DSPARK",
+    "EAGLE",
+    "EAGLE3",
+    "FROZEN_KV_MTP",
+    "STANDALONE",
+    "NGRAM",
+    "NONE",
+    "NEXTN",
+)
+# ServerArgs.LANGUAGE_MODEL_ONLY_ARCHITECTURES (0.5.23): Qwen3.6 is not among them.
+LANGUAGE_MODEL_ONLY_ARCHITECTURES = (
+    "DeepseekV4ForCausalLM",
+    "MuseGlimmerForConditionalGeneration",
+    "Cosmos3ForConditionalGeneration",
+    "Cosmos3EdgeForConditionalGeneration",
+)
 
-_SECRET_FLAGS = ("--api-key", "--admin-api-key")
-_HUMAN_INT = re.compile(r"(?P<num>\d+(?:\.\d+)?)(?P<suffix>[kKmMgGtT](?:i)?)?")
-_MULTIPLIERS = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_BINARY = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)")
+_SI = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+_IEC = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 
 
 def human_readable_int(value: str) -> int:
-    """Parse 32768, 32k (32000) or 32Ki (32768) like SGLang's `utils/common.py: human_readable_int`."""
-    match = _HUMAN_INT.fullmatch(value.strip())
-    if match is None:
-        raise argparse.ArgumentTypeError(f"invalid integer value: {value!r} (use e.g. 32768, 32k or 32Ki)")
-    number = float(match["num"])
-    suffix = match["suffix"] or ""
-    factor = 1
-    if suffix:
-        table = _BINARY if suffix.endswith("i") else _MULTIPLIERS
-        factor = table[suffix[0].lower()]
-    result = number * factor
-    if result != int(result):
-        raise argparse.ArgumentTypeError(f"invalid integer value: {value!r} (not a whole number)")
-    return int(result)
-
-
-def _json_object(value: str) -> dict[str, Any]:
+    """32768, 32k (32000), 25.6k or 32Ki (32768), case-sensitive, as SGLang's `utils/common.py` parses them."""
+    value = value.strip()
+    match = _HUMAN_INT.fullmatch(value)
+    if match:
+        number, suffix = match.groups()
+        if suffix in _IEC:
+            if "." in number:
+                raise argparse.ArgumentTypeError(
+                    f"Decimals are not allowed with IEC suffixes like '{suffix}'. "
+                    f"Use an integer IEC value such as '{int(Decimal(number))}{suffix}', "
+                    f"or an SI value such as '{number}{suffix[0]}'."
+                )
+            return int(number) * _IEC[suffix]
+        return int(Decimal(number) * _SI[suffix])
     try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"invalid JSON: {exc}") from exc
-    if not isinstance(parsed, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    return parsed
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"Invalid integer value: '{value}'. "
+            "Use a plain integer, SI suffixes (1k, 1M), or IEC suffixes (1Ki, 1Mi). "
+            "Suffixes are case-sensitive."
+        ) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -207,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-mamba-cache-size", type=int, default=None)
     add("--mamba-full-memory-ratio", type=float, default=0.9)
     # Speculative decoding.
-    add("--speculative-algorithm", default=None, choices=SPECULATIVE_ALGORITHM_CHOICES)
+    add("--speculative-algorithm", default=None, help=f"One of {', '.join(SPECULATIVE_ALGORITHM_CHOICES)}.")
     add("--speculative-num-steps", type=int, default=None)
     add("--speculative-eagle-topk", type=int, default=None)
     add("--speculative-num-draft-tokens", type=int, default=None)
@@ -216,9 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--tool-call-parser", default=None, choices=TOOL_CALL_PARSER_CHOICES)
     add(
         "--default-chat-template-kwargs",
-        type=_json_object,
+        type=json.loads,  # any JSON parses; resolution insists on an object
         default=None,
-        help="JSON, e.g. '{\"enable_thinking\": true}'.",
+        help="JSON object, e.g. '{\"enable_thinking\": true}'.",
     )
     add("--sampling-defaults", default="model", choices=("model", "openai"))
     add("--allow-auto-truncate", action="store_true", help="Truncate over-long inputs instead of 400.")
@@ -238,31 +319,44 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(list(argv) if argv is not None else None)
 
 
-def redacted_argv(argv: Sequence[str]) -> list[str]:
-    """The command line with API key values masked (for logs and /server_info)."""
-    out: list[str] = []
-    hide_next = False
-    for arg in argv:
-        if hide_next:
-            out.append("***")
-            hide_next = False
-            continue
-        flag = arg.split("=", 1)[0]
-        # Abbreviations (--api-k) count too: argparse accepts them.
-        secret = next((s for s in _SECRET_FLAGS if len(flag) > 5 and s.startswith(flag)), None)
-        if secret is not None and "=" in arg:
-            out.append(f"{flag}=***")
-        elif secret is not None:
-            out.append(arg)
-            hide_next = True
-        else:
-            out.append(arg)
-    return out
+def _architectures(model_path: str) -> list[str]:
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return []
+    archs = config.get("architectures") if isinstance(config, dict) else None
+    return [str(a) for a in archs] if isinstance(archs, list) else []
+
+
+def resolve_settings(args: argparse.Namespace) -> None:
+    """The checks of SGLang 0.5.23's settings resolution that the stand-in reproduces (ValueError, same text).
+
+    Real SGLang parses first and rejects combinations only while resolving (`ServerArgs.resolve_once`), so
+    these pass argparse and still stop the server; tests/conformance compares both on the same argv.
+    """
+    # serving_hook.py: handle_other_validations
+    if args.default_chat_template_kwargs is not None and not isinstance(args.default_chat_template_kwargs, dict):
+        raise ValueError("--default-chat-template-kwargs must decode to a JSON object")
+    # speculative/spec_info.py: SpeculativeAlgorithm.from_string (case-insensitive)
+    if args.speculative_algorithm is not None:
+        name = str(args.speculative_algorithm).upper()
+        if name not in SPECULATIVE_ALGORITHM_CHOICES:
+            raise ValueError(f"Unknown speculative algorithm name: {args.speculative_algorithm}")
+        args.speculative_algorithm = None if name == "NONE" else name
+    # model_hook.py: handle_language_model_only
+    if args.language_model_only:
+        architectures = _architectures(args.model_path)
+        if not any(a in LANGUAGE_MODEL_ONLY_ARCHITECTURES for a in architectures):
+            raise ValueError(
+                f"--language-model-only does not support {architectures}. "
+                f"Supported: {list(LANGUAGE_MODEL_ONLY_ARCHITECTURES)}."
+            )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `python -m datagen.standin`: parse, load, serve; returns the exit code."""
     args = parse_args(argv)
+    resolve_settings(args)  # a ValueError ends the process with its traceback and exit code 1, as in SGLang
     # Heavy imports (transformers, numpy, uvicorn) only after the flags are known to be valid,
     # so `--help` and flag errors stay fast.
     from datagen.standin.server import serve

@@ -32,8 +32,9 @@ import httpx
 import pytest
 
 SGLANG_VERSION = "0.5.23"
-# What sglang 0.5.23 imports at module level on the CLI / request paths and is not in the project's
-# venv; pinned to sglang's own pins where it has one (openai, sentencepiece). Anything heavier is a stub.
+# What sglang 0.5.23 imports at module level on the CLI, settings-resolution and request paths and is not
+# in the project's venv (or is there in another version); pinned to sglang's own pins where it has one
+# (openai, sentencepiece, transformers, tokenizers). Anything that needs CUDA is a stub instead.
 SUPPORT_PACKAGES = (
     "msgspec==0.23.0",
     "psutil==7.2.2",
@@ -53,6 +54,10 @@ SUPPORT_PACKAGES = (
     "loguru==0.7.3",
     "openai==2.8.0",
     "uvloop==0.23.0",
+    "gguf==0.19.0",
+    # sglang's own pins, shadowing the project's newer ones in the tier's subprocesses only.
+    "transformers==5.19.0",
+    "tokenizers==0.23.2",
 )
 SHIM = Path(__file__).with_name("real_sglang_shim.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -171,17 +176,23 @@ class RealSglang:
         env["TRANSFORMERS_OFFLINE"] = "1"
         return env
 
-    def run_raw(self, code: str, args: Sequence[str] = (), timeout_s: float = 300.0) -> dict[str, Any]:
+    def run_raw(
+        self, code: str, args: Sequence[str] = (), timeout_s: float = 300.0, gpu: str | None = None
+    ) -> dict[str, Any]:
         """Run `code` (sets global RESULT; ARGS holds `args`) next to the real sglang; the shim's report.
 
         The report is {"ok": True, "result": RESULT} or {"ok": False, "error_type", "error", "traceback"}.
+        `gpu="sm120"` makes the stubbed `torch.cuda` report one RTX PRO 6000 (what each server sees).
         """
+        env = self.env()
+        if gpu is not None:
+            env["CONFORMANCE_GPU"] = gpu
         proc = subprocess.run(
             [sys.executable, str(SHIM), *args],
             input=code,
             capture_output=True,
             text=True,
-            env=self.env(),
+            env=env,
             timeout=timeout_s,
             check=False,
             cwd=REPO_ROOT,
@@ -196,9 +207,9 @@ class RealSglang:
             f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
         )
 
-    def run(self, code: str, args: Sequence[str] = (), timeout_s: float = 300.0) -> Any:
+    def run(self, code: str, args: Sequence[str] = (), timeout_s: float = 300.0, gpu: str | None = None) -> Any:
         """Like run_raw, but returns RESULT and raises RealCodeError (with the real traceback) on an exception."""
-        report = self.run_raw(code, args, timeout_s)
+        report = self.run_raw(code, args, timeout_s, gpu)
         if not report["ok"]:
             raise RealCodeError(
                 f"real sglang code raised {report['error_type']}: {report['error']}\n{report['traceback']}"

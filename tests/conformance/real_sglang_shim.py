@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
 import json
 import os
 import runpy
@@ -167,6 +168,76 @@ def _placeholder(name: str) -> Any:
     )
 
 
+class _Library:
+    """`torch.library.Library(ns, kind)`: SGLang reads `.m.name` as a string while registering custom ops."""
+
+    def __init__(self, ns: str, kind: str = "DEF", *args: Any, **kwargs: Any) -> None:
+        self.ns = ns
+        self.m = types.SimpleNamespace(name=ns)
+
+    def define(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def impl(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def _register_fake(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+# A CPU-only CUDA build of torch: SGLang's platform probes compare these with None.
+_VERSION = types.ModuleType("torch.version")
+_VERSION.__dict__.update(cuda="13.0", hip=None, musa=None, git_version="conformance-stub", debug=False)
+_VERSION.__file__ = "<conformance stub torch.version>"
+
+
+class _Cuda(types.ModuleType):
+    """`torch.cuda` of the box being emulated (CONFORMANCE_GPU=sm120: one RTX PRO 6000 per server)."""
+
+    def __init__(self, gpu: str | None) -> None:
+        super().__init__("torch.cuda")
+        self.__path__: list[str] = []
+        self.__file__ = "<conformance stub torch.cuda>"
+        self.gpu = gpu
+
+    def is_available(self) -> bool:
+        return self.gpu is not None
+
+    def device_count(self) -> int:
+        return 1 if self.gpu else 0  # CUDA_VISIBLE_DEVICES=i: one GPU per server
+
+    def get_device_capability(self, device: Any = 0) -> tuple[int, int]:
+        return (12, 0)
+
+    def get_device_name(self, device: Any = 0) -> str:
+        return "NVIDIA RTX PRO 6000 Blackwell Server Edition"
+
+    def get_device_properties(self, device: Any = 0) -> Any:
+        return types.SimpleNamespace(
+            name=self.get_device_name(), major=12, minor=0, total_memory=_GPU_BYTES, multi_processor_count=188
+        )
+
+    def mem_get_info(self, device: Any = 0) -> tuple[int, int]:
+        return (_GPU_BYTES - 512 * 2**20, _GPU_BYTES)
+
+    def current_device(self) -> int:
+        return 0
+
+    def is_initialized(self) -> bool:
+        return False
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__") and attr.endswith("__"):
+            raise AttributeError(attr)
+        return _placeholder(f"torch.cuda.{attr}")
+
+
+_GPU_BYTES = 97_887_535_104  # what an RTX PRO 6000 Blackwell reports (~91.2 GiB)
+
+# Attributes whose value real code uses as a plain Python value at import time.
+_OVERRIDES: dict[str, Any] = {"torch.library.Library": _Library, "torch.version": _VERSION}
+
+
 class _StubModule(types.ModuleType):
     """A stubbed package: every attribute is a placeholder, every submodule another stub."""
 
@@ -179,14 +250,44 @@ class _StubModule(types.ModuleType):
     def __getattr__(self, attr: str) -> Any:
         if (attr.startswith("__") and attr.endswith("__")) or f"{self.__name__}.{attr}" in _ABSENT:
             raise AttributeError(attr)
-        value = _placeholder(f"{self.__name__}.{attr}")
+        full = f"{self.__name__}.{attr}"
+        value = _OVERRIDES[full] if full in _OVERRIDES else _placeholder(full)
         setattr(self, attr, value)
         return value
+
+
+# Versions the stubs report through importlib.metadata (transformers asks before it imports torch):
+# sglang 0.5.23's own pins where it has one, else the release that pairs with torch 2.14.
+_DIST_VERSIONS = {
+    "torch": "2.14.1",
+    "torchaudio": "2.11.0",
+    "torchcodec": "0.17.0",
+    "torchvision": "0.29.1",
+    "triton": "3.7.0",
+}
+
+
+class _StubDistribution(importlib.metadata.Distribution):
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def read_text(self, filename: str) -> str | None:
+        if filename == "METADATA":
+            return f"Metadata-Version: 2.1\nName: {self._name}\nVersion: {_DIST_VERSIONS[self._name]}\n"
+        return None
+
+    def locate_file(self, path: Any) -> Any:
+        return path
 
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def __init__(self, roots: frozenset[str]) -> None:
         self.roots = roots
+
+    def find_distributions(self, context: Any = None) -> Any:
+        name = getattr(context, "name", None)
+        names = _DIST_VERSIONS if name is None else [n for n in _DIST_VERSIONS if n == name.replace("-", "_")]
+        return iter([_StubDistribution(n) for n in names])
 
     def find_spec(self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None) -> Any:
         if fullname.split(".", 1)[0] in self.roots:
@@ -194,7 +295,8 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        return _StubModule(spec.name)
+        special = _OVERRIDES.get(spec.name)
+        return special if isinstance(special, types.ModuleType) else _StubModule(spec.name)
 
     def exec_module(self, module: types.ModuleType) -> None:
         return None
@@ -202,12 +304,16 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 def install_stubs(roots: frozenset[str] = HEAVY_MODULES) -> None:
     """Put the stub finder first on sys.meta_path (this process only)."""
+    gpu = os.environ.get("CONFORMANCE_GPU") or None
+    if gpu not in (None, "sm120"):
+        raise SystemExit(f"CONFORMANCE_GPU={gpu!r}: only 'sm120' (or unset: no GPU) is emulated")
+    _OVERRIDES["torch.cuda"] = _Cuda(gpu)
     sys.meta_path.insert(0, _StubFinder(roots))
 
 
 def stubbed_modules() -> list[str]:
     """Names of the stub modules imported so far."""
-    return sorted(n for n, m in list(sys.modules.items()) if isinstance(m, _StubModule))
+    return sorted(n for n, m in list(sys.modules.items()) if str(getattr(m, "__file__", "")).startswith("<conformance"))
 
 
 def _run_as_python(argv: Sequence[str]) -> int:
