@@ -220,7 +220,7 @@ def fit_decode_model(
         slope = max(0.0, sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys, strict=True)) / sxx)
     if sat_time > 0 and sat_tokens > 0:
         saturated = sat_tokens / sat_time
-        method = "saturated (server decode counters at full batch)"
+        method = "saturated (server gen_throughput at full batch)"
     else:  # never a full batch: extrapolate the line to it
         x_mean, y_mean = sum(xs) / len(xs), sum(ys) / len(ys)
         step_full = max(y_mean + slope * (slots_per_server - x_mean), 1e-9)
