@@ -268,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-queued-requests", type=int, default=None, help="Maximum waiting requests; beyond it 503.")
     add("--chunked-prefill-size", type=int, default=None, help="Chunked prefill size (-1 disables).")
     add("--schedule-policy", default="fcfs", choices=SCHEDULE_POLICY_CHOICES, help="Scheduling policy.")
+    add("--disable-overlap-schedule", action="store_true", help="No CPU/GPU overlap (mamba no_buffer needs it).")
     add("--disable-radix-cache", action="store_true", help="Disable the prefix cache.")
     add("--enable-hierarchical-cache", "--enable-hicache", dest="enable_hierarchical_cache", action="store_true")
     # Kernels.
@@ -319,17 +320,41 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(list(argv) if argv is not None else None)
 
 
-def _architectures(model_path: str) -> list[str]:
+# configs/hybrid_arch.py: hybrid_gdn_config (Qwen3-Next, Qwen3.5/3.6 dense and MoE), by config type.
+_HYBRID_GDN_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe"})
+
+
+def _model_config(model_path: str) -> dict[str, object]:
     try:
         config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
-        return []
-    archs = config.get("architectures") if isinstance(config, dict) else None
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _architectures(config: dict[str, object]) -> list[str]:
+    archs = config.get("architectures")
     return [str(a) for a in archs] if isinstance(archs, list) else []
 
 
+def _check_mamba_radix_cache(args: argparse.Namespace, config: dict[str, object]) -> None:
+    """overrides.py: _mamba_radix_cache_resolution, then mamba_hook.py: validate_mamba_no_buffer."""
+    if args.disable_radix_cache or config.get("model_type") not in _HYBRID_GDN_MODEL_TYPES:
+        return
+    strategy, no_overlap = args.mamba_radix_cache_strategy, args.disable_overlap_schedule
+    if strategy == "auto":
+        strategy = "no_buffer" if no_overlap else "extra_buffer"  # auto + no_buffer also turns overlap off
+        no_overlap = True
+    if strategy != "no_buffer":
+        return
+    if not no_overlap:
+        raise AssertionError("no_buffer do not support overlap schedule. Try to set disable_overlap_schedule=True.")
+    if args.attention_backend == "trtllm_mha":
+        raise AssertionError("no_buffer do not support trtllm_mha attention backend.")
+
+
 def resolve_settings(args: argparse.Namespace) -> None:
-    """The checks of SGLang 0.5.23's settings resolution that the stand-in reproduces (ValueError, same text).
+    """The checks of SGLang 0.5.23's settings resolution that the stand-in reproduces (same error and text).
 
     Real SGLang parses first and rejects combinations only while resolving (`ServerArgs.resolve_once`), so
     these pass argparse and still stop the server; tests/conformance compares both on the same argv.
@@ -343,14 +368,16 @@ def resolve_settings(args: argparse.Namespace) -> None:
         if name not in SPECULATIVE_ALGORITHM_CHOICES:
             raise ValueError(f"Unknown speculative algorithm name: {args.speculative_algorithm}")
         args.speculative_algorithm = None if name == "NONE" else name
+    config = _model_config(args.model_path)
     # model_hook.py: handle_language_model_only
     if args.language_model_only:
-        architectures = _architectures(args.model_path)
+        architectures = _architectures(config)
         if not any(a in LANGUAGE_MODEL_ONLY_ARCHITECTURES for a in architectures):
             raise ValueError(
                 f"--language-model-only does not support {architectures}. "
                 f"Supported: {list(LANGUAGE_MODEL_ONLY_ARCHITECTURES)}."
             )
+    _check_mamba_radix_cache(args, config)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
