@@ -624,6 +624,7 @@ class Dispatcher:
                     part += tail.replace("\n", "\n    ")
                 parts.append(part)
             message = f"no request finished on any server for {idle:.0f} s; servers:\n" + "\n".join(parts)
+            message = redact_text(message, [s.endpoint.api_key for s in self._servers])  # last errors too
             logger.error("%s", message)
             self._c["failed"] += sum(len(s.inflight) for s in self._servers) + len(self._pending) + len(self._delayed)
             self._fail_all(EngineStalled(message))
