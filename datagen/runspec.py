@@ -113,7 +113,7 @@ class RunSpec(BaseModel):
     validation: ValidationSpec = Field(default_factory=ValidationSpec, description="Per-sample checks.")
     quality_gate: QualityGate = Field(default_factory=QualityGate, description="Dataset-level checks before publish.")
     server_args: list[str] = Field(
-        default_factory=list, description="Extra launch flags for every server (checked against the engine's --help)."
+        default_factory=list, description="Extra launch flags for every server (judged by the engine's own parser)."
     )
     max_prompt_tokens: int | None = Field(
         None,

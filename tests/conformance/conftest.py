@@ -55,6 +55,8 @@ SUPPORT_PACKAGES = (
     "openai==2.8.0",
     "uvloop==0.23.0",
     "gguf==0.19.0",
+    "distro==1.9.0",
+    "partial-json-parser==0.2.1.1.post7",
     # sglang's own pins, shadowing the project's newer ones in the tier's subprocesses only.
     "transformers==5.19.0",
     "tokenizers==0.23.2",
