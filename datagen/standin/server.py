@@ -87,7 +87,9 @@ def resolve_args(args: argparse.Namespace, config: dict[str, Any], knobs: Knobs,
         max_running = knobs.max_running
     strategy = args.mamba_radix_cache_strategy
     if strategy == "auto" and not args.disable_radix_cache:
-        strategy = "extra_buffer" if args.linear_attn_backend == "triton" else "no_buffer"
+        # overrides.py _mamba_radix_cache_resolution: extra_buffer with the overlap scheduler (default), else
+        # no_buffer (page size is 1 here).
+        strategy = "no_buffer" if getattr(args, "disable_overlap_schedule", False) else "extra_buffer"
     resolved.update(
         served_model_name=args.served_model_name or args.model_path,
         tokenizer_path=args.model_path,
