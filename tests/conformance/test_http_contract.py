@@ -125,6 +125,19 @@ def test_client_bodies_pass_the_real_contract_and_sampling_checks(real_sglang: R
         assert back["input_ids"] == PROMPT and back["rid"] == body["rid"] and back.get("stream") is False
         for key, value in body["sampling_params"].items():
             assert back["sampling_params"][key] == value, key
+    # FastAPI's typed parse of the body into GenerateReqInput (before the contract), then its normalization.
+    normalized = real_sglang.run(
+        "import json, pydantic\nfrom sglang.srt.managers.io_struct import GenerateReqInput\n"
+        "out = []\n"
+        "for b in json.loads(ARGS[0]):\n"
+        "    obj = pydantic.TypeAdapter(GenerateReqInput).validate_python(b)\n"
+        "    obj.normalize_batch_and_arguments()\n"
+        "    out.append([obj.is_single, obj.rid, obj.input_ids, obj.sampling_params, obj.stream])\n"
+        "RESULT = out\n",
+        args=[json.dumps(bodies)],
+    )
+    for body, (single, rid, ids, sp, stream) in zip(bodies, normalized, strict=True):
+        assert single and rid == body["rid"] and ids == PROMPT and sp == body["sampling_params"] and stream is False
 
 
 def _sp(**params: Any) -> dict[str, Any]:
