@@ -5,6 +5,9 @@ never in the pytest process: the stubs must not leak into other tests. A stubbed
 attribute with an inert placeholder class, so `import torch`, `torch.float16` and `class M(torch.nn.Module)`
 at import time work. Placeholders are falsy and compute nothing: the tier only runs code that parses flags,
 resolves settings and validates requests, and every test asserts on what that real code returned.
+`torch.version` reports a CUDA 13 build and importlib.metadata the versions sglang pins (transformers asks
+before it imports torch). `torch.cuda` reports no GPU, or with CONFORMANCE_GPU=sm120 one RTX PRO 6000
+(SM 12.0, ~91 GiB), which is what each of the box's servers sees, so settings resolution runs in full.
 
 Run as a script it executes Python code read from stdin with sglang importable, and prints what the code
 stores in the global `RESULT` as one JSON line after the marker `CONFORMANCE-RESULT:`. With `--script`
