@@ -39,6 +39,13 @@ class PromptSource(BaseModel):
         None, description="Row field holding a category label (e.g. 'category'), used for mix reports and caps."
     )
     max_rows: int | None = Field(None, ge=1, description="Read at most this many rows from the source.")
+    allow_partial_read: bool = Field(
+        False,
+        description=(
+            "When a JSON list file cannot be read past a syntax error, keep the rows before it and record the "
+            "rows counted after it as 'unreadable_rest' rejects, instead of failing the source."
+        ),
+    )
 
 
 class SamplingSpec(BaseModel):

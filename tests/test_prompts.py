@@ -221,16 +221,50 @@ def test_json_list_reports_line_of_each_bad_row(tmp_path: Path) -> None:
     ]
 
 
-def test_broken_json_list_keeps_rows_before_the_break(tmp_path: Path) -> None:
+def test_broken_json_list_row_is_one_reject_and_rows_after_it_survive(tmp_path: Path) -> None:
+    # Issue 13.1: a syntax error inside one element used to end the file there, dropping every later row.
     f = tmp_path / "broken.json"
-    f.write_text('[\n{"instruction": "a"},\n{"instruction": "b"},\n{"instruction": "c" oops},\n{"x": 1}\n]\n')
+    f.write_text(
+        '[\n{"instruction": "a"},\n{"instruction": "b"},\n{"instruction": "c" oops},\n'
+        '{"instruction": "d", "input": "[{,"},\n{"instruction": "unterminated},\n{"instruction": "e"}\n]\n'
+    )
     prompts, rejects = load(f)
-    assert [p.messages[0]["content"] for p in prompts] == ["a", "b"]
-    assert len(rejects) == 1
-    assert rejects[0].reason == "invalid_json"
-    assert rejects[0].row == 2
-    assert rejects[0].detail.startswith(f"{f}:4: invalid JSON at line 4:")
-    assert rejects[0].detail.endswith("the rest of the file cannot be read")
+    assert [(p.messages[0]["content"], p.row) for p in prompts] == [("a", 0), ("b", 1), ("d\n\n[{,", 3), ("e", 5)]
+    assert [(r.reason, r.row, r.detail.split(": ")[0]) for r in rejects] == [
+        ("invalid_json", 2, f"{f}:4"),
+        ("invalid_json", 4, f"{f}:6"),
+    ]
+    assert "invalid JSON at line 4" in rejects[0].detail
+
+
+def test_json_list_missing_comma_between_rows_loses_nothing(tmp_path: Path) -> None:
+    f = tmp_path / "nocomma.json"
+    f.write_text('[{"instruction": "a"} {"instruction": "b"}, {"instruction": "c"}]')
+    prompts, rejects = load(f)
+    assert [p.messages[0]["content"] for p in prompts] == ["a", "b", "c"]
+    assert rejects == []
+
+
+def test_json_list_unreadable_past_a_point_fails_loudly_with_rows_lost(tmp_path: Path) -> None:
+    # One line, a quote missing: nothing after it can be told apart, so the source fails unless partial reads
+    # are allowed, and then every row counted in the unreadable rest is a reject (the gate counts them).
+    f = tmp_path / "minified.json"
+    f.write_text('[{"instruction": "a"}, {"instruction": "b}, {"instruction": "c"}, {"instruction": "d"}, {"x": 1')
+    with pytest.raises(
+        PromptSourceError, match=r"minified\.json:1: .*at least 1 row\(s\).*1 row\(s\) read before.*partial"
+    ):
+        load(f)
+    prompts, rejects = load(f, allow_partial_read=True)
+    assert [p.messages[0]["content"] for p in prompts] == ["a"]
+    assert [(r.reason, r.row) for r in rejects] == [("unreadable_rest", 1)]
+    assert rejects[0].detail.startswith(f"{f}:1: invalid JSON at line 1")
+
+
+def test_truncated_json_list_fails_loudly(tmp_path: Path) -> None:
+    f = tmp_path / "cut.json"
+    f.write_text('[\n{"instruction": "a"},\n{"instruction": "b"},\n{"instruction": "c", "inp')
+    with pytest.raises(PromptSourceError, match=r"cut\.json:4: .*at least 1 row\(s\).*2 row\(s\) read before"):
+        load(f)
 
 
 def test_json_list_trailing_garbage_is_reported(tmp_path: Path) -> None:
