@@ -37,6 +37,7 @@ __all__ = [
     "ValidationSummary",
     "Verdict",
     "check_completion",
+    "check_load_gate",
     "check_quality_gate",
     "completion_body",
     "render_validation_report",
@@ -380,15 +381,66 @@ def _length_evidence(dist: TokenDistribution) -> str:
     )
 
 
+def _reasons_line(title: str, reasons: dict[str, int], total: int) -> str:
+    rows = sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))
+    return f"  {title}: " + ", ".join(f"{k}={v} ({v / total:.1%})" for k, v in rows)
+
+
+def check_load_gate(
+    n_rows: int, n_prompts: int, load_rejects_by_reason: dict[str, int], gate: QualityGate, rejects_path: str
+) -> GateReport:
+    """Check the rows rejected at load against the gate before any server starts (GPU time is the cost).
+
+    Load rejects alone are a lower bound of the final reject rate, so a run that fails here would fail the
+    final gate too. A plan with rows but no usable prompt always fails: its input is wrong, not merely thin.
+    """
+    n_rejects = sum(load_rejects_by_reason.values())
+    checks: list[GateCheck] = []
+    if n_rows and not n_prompts:
+        checks.append(
+            GateCheck(
+                name="usable_prompts",
+                passed=False,
+                value=0,
+                limit=1,
+                comparison=">=",
+                message=f"all {n_rows} rows read were rejected at load: nothing could be generated",
+            )
+        )
+    rate = n_rejects / n_rows if n_rows else 0.0
+    checks.append(
+        GateCheck(
+            name="load_reject_rate",
+            passed=rate <= gate.max_reject_rate,
+            value=rate,
+            limit=gate.max_reject_rate,
+            comparison="<=",
+            message=f"{n_rejects}/{n_rows} rows rejected at load = {rate:.1%} (limit {gate.max_reject_rate:.1%})",
+        )
+    )
+    passed = all(c.passed for c in checks)
+    evidence: list[str] = []
+    if not passed:
+        evidence.append(_reasons_line("load rejects by reason", load_rejects_by_reason, n_rows))
+        evidence.append(f"  every load reject, with file and line: {rejects_path}")
+    return GateReport(passed=passed, checks=checks, evidence=evidence)
+
+
 def check_quality_gate(
-    summary: ValidationSummary, gate: QualityGate, upstream_rejects: int = 0, downstream_rejects: int = 0
+    summary: ValidationSummary,
+    gate: QualityGate,
+    upstream_rejects: int = 0,
+    downstream_rejects: int = 0,
+    upstream_reasons: dict[str, int] | None = None,
+    reject_paths: list[str] | None = None,
 ) -> GateReport:
     """Check the dataset against the gate.
 
     Reject rate counts every prompt that went in: load/generate rejects (`upstream_rejects`), validation
     rejects, and tokenization rejects (`downstream_rejects`, when the gate is re-run before publish).
     Length and mix checks look at the accepted samples. Samples without a category label count in the
-    denominator of category shares but are not a category themselves.
+    denominator of category shares but are not a category themselves. `upstream_reasons` ('stage/reason'
+    -> count, summing to `upstream_rejects`) and `reject_paths` name the rejects in the report.
     """
     accepted = summary.accepted - downstream_rejects
     attempted = summary.total + upstream_rejects
@@ -420,13 +472,16 @@ def check_quality_gate(
         )
     )
     if not ok:
-        reasons = sorted(summary.reject_reasons.items(), key=lambda kv: -kv[1])
-        parts = [f"{k}={v}" for k, v in reasons]
-        if upstream_rejects:
-            parts.append(f"load/generate={upstream_rejects}")
+        reasons = {f"validate/{k}": v for k, v in summary.reject_reasons.items()}
+        named = upstream_reasons or {}
+        reasons.update(named)
+        if upstream_rejects > sum(named.values()):
+            reasons["load+generate (reasons not given)"] = upstream_rejects - sum(named.values())
         if downstream_rejects:
-            parts.append(f"tokenize={downstream_rejects}")
-        evidence.append("  rejects by reason: " + ", ".join(parts))
+            reasons["tokenize"] = downstream_rejects
+        evidence.append(_reasons_line("rejects by reason", reasons, attempted))
+        if reject_paths:
+            evidence.append("  reject rows (file, line and detail of each): " + ", ".join(reject_paths))
 
     dist = summary.loss_tokens
     short = dist.share_at_most(gate.short_loss_tokens)

@@ -22,10 +22,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.layout import RunLayout
 from datagen.prompts import iter_prompts
+from datagen.quality import GateReport, check_load_gate
 from datagen.records import Prompt, Reject
-from datagen.runspec import RunSpec
+from datagen.runspec import QualityGate, RunSpec
 
-__all__ = ["ShardEntry", "ShardPlan", "plan_manifest_path", "plan_shards", "read_plan"]
+__all__ = ["ShardEntry", "ShardPlan", "check_plan", "plan_manifest_path", "plan_shards", "read_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +164,13 @@ def plan_shards(
         invalidate.changed,
     )
     return plan
+
+
+def check_plan(plan: ShardPlan, gate: QualityGate, layout: RunLayout) -> GateReport:
+    """The gate on load rejects alone; raises QualityGateError (reasons, counts, reject file) when it fails."""
+    report = check_load_gate(plan.n_rows, plan.n_prompts, plan.load_rejects_by_reason, gate, str(layout.load_rejects))
+    report.raise_if_failed()
+    return report
 
 
 def read_plan(layout: RunLayout, verify: bool = True) -> ShardPlan | None:

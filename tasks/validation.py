@@ -37,6 +37,7 @@ __all__ = [
     "QualityGateError",
     "ValidationSummary",
     "check_quality_gate",
+    "count_reject_reasons",
     "iter_jsonl_completions",
     "render_validation_report",
     "shard_stem",
@@ -96,6 +97,21 @@ def iter_jsonl_completions(path: Path) -> Iterator[tuple[int, Completion | Malfo
                 yield lineno, _parse(line)
             except MalformedRecord as exc:
                 yield lineno, exc
+
+
+def count_reject_reasons(paths: list[Path]) -> dict[str, int]:
+    """'stage/reason' -> rows over reject JSONL files (a missing file holds none)."""
+    counts: dict[str, int] = {}
+    for path in paths:
+        if not path.is_file():
+            continue
+        with path.open(encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    r = Reject.from_json(line)
+                    key = f"{r.stage}/{r.reason}"
+                    counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def shard_stem(path: Path) -> str:

@@ -12,6 +12,7 @@ from datagen.quality import (
     QualityGateError,
     TokenDistribution,
     ValidationSummary,
+    check_load_gate,
     check_quality_gate,
     render_validation_report,
 )
@@ -134,7 +135,33 @@ def test_reject_rate_counts_upstream_and_downstream_rejects() -> None:
     report = check_quality_gate(s, GATE, upstream_rejects=25, downstream_rejects=1)
     assert [c.name for c in report.failures] == ["reject_rate"]
     assert "26/125 rejected" in report.text
-    assert "load/generate=25, tokenize=1" in report.text
+    assert "load+generate (reasons not given)=25 (20.0%), tokenize=1 (0.8%)" in report.text
+
+
+def test_reject_rate_evidence_names_upstream_reasons_and_reject_files() -> None:
+    # Issue 13.3: reasons by name, not `load/generate=11`, and where the rows are.
+    s = summary_of({800: 100}, {"a": 100})
+    upstream = {"load/unknown_format": 20, "load/invalid_json": 5, "generate/prompt_too_long": 6}
+    report = check_quality_gate(s, GATE, 31, upstream_reasons=upstream, reject_paths=["/w/load-rejects.jsonl"])
+    assert not report.passed
+    assert "load/unknown_format=20 (15.3%), generate/prompt_too_long=6 (4.6%), load/invalid_json=5" in report.text
+    assert "load/generate" not in report.text
+    assert "/w/load-rejects.jsonl" in report.text
+
+
+def test_load_gate_fails_before_generation_with_reasons_counts_and_file() -> None:
+    # Issue 13.2/13.3: every row rejected, or too many, fails on the plan alone.
+    all_bad = check_load_gate(12, 0, {"unknown_format": 10, "missing_field": 2}, GATE, "/w/load-rejects.jsonl")
+    assert not all_bad.passed
+    assert [c.name for c in all_bad.failures] == ["usable_prompts", "load_reject_rate"]
+    assert "all 12 rows read were rejected at load" in all_bad.text
+    assert "unknown_format=10 (83.3%), missing_field=2 (16.7%)" in all_bad.text
+    assert "/w/load-rejects.jsonl" in all_bad.text
+    quarter = check_load_gate(40, 30, {"invalid_json": 10}, GATE, "/w/r.jsonl")
+    assert [c.name for c in quarter.failures] == ["load_reject_rate"]
+    assert "10/40 rows rejected at load = 25.0%" in quarter.text
+    assert check_load_gate(40, 35, {"invalid_json": 5}, GATE, "/w/r.jsonl").passed
+    assert check_load_gate(0, 0, {}, GATE, "/w/r.jsonl").passed  # nothing new to read is not bad input
 
 
 def test_empty_dataset_fails() -> None:
