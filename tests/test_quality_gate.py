@@ -102,7 +102,7 @@ def test_placeholder_set_through_validation_trips_the_gate_either_way(chat: Chat
     strict = validate_shards([shard], tmp_path / "strict", ValidationSpec(), enable_thinking=False)
     report = check_quality_gate(strict, GATE)
     assert [c.name for c in report.failures] == ["reject_rate"]
-    assert "short_answer=87" in report.text
+    assert "validate/placeholder=87 (87.0%)" in report.text
     # Identical placeholders are also duplicates; with both per-sample checks off the distribution still stops it.
     lax_spec = ValidationSpec(min_answer_tokens=0, reject_duplicate_completions=False)
     lax = validate_shards([shard], tmp_path / "lax", lax_spec, enable_thinking=False)
@@ -170,6 +170,18 @@ def test_empty_dataset_fails() -> None:
     assert "no accepted samples out of 5" in report.text
 
 
+def test_report_gives_each_reasons_share_and_a_few_examples(chat: ChatTokenizer, tmp_path: Path) -> None:
+    # Issue 13.4: the report shows the share of each reason and up to three example rows per reason.
+    shard = _placeholder_shard(chat, tmp_path / "shard-00000.completions.jsonl", 20, 15)
+    summary = validate_shards([shard], tmp_path / "out", ValidationSpec(), enable_thinking=False)
+    assert summary.reject_reasons == {"placeholder": 5}
+    assert len(summary.reject_samples["placeholder"]) == 3
+    md = render_validation_report(summary)
+    row = next(line for line in md.splitlines() if line.startswith("| placeholder |"))
+    assert row.startswith("| placeholder | 5 | 25.0% | ") and row.count("<br>") == 2
+    assert row.count("(prompt ") == 3 and "'OK.'" in row
+
+
 def test_error_accepts_plain_text() -> None:
     err = QualityGateError("quality gate FAILED (1 check(s))")
     assert err.report is None and "FAILED" in str(err)
@@ -182,7 +194,7 @@ def test_markdown_report_shows_verdict_histogram_and_mix() -> None:
     md = render_validation_report(s, check_quality_gate(s, GATE))
     assert "**FAILED**: quality gate" in md
     assert "| short_share | **FAIL** | 0.87 | <= 0.05 |" in md
-    assert "| truncated | 10 | cut at the token limit after 8192 tokens |" in md
+    assert "| truncated | 10 | 1.0% | cut at the token limit after 8192 tokens |" in md
     hist = [line for line in md.splitlines() if line.strip().startswith("4-7")]
     assert hist and hist[0].rstrip().endswith("#" * 40)  # the 870 samples at 6 tokens fill the widest bar
     assert "| sharegpt | 1000 | 100.0% |" in md and "| chat | 1000 | 100.0% |" in md
