@@ -663,12 +663,13 @@ def _alpaca_turns(row: dict[str, Any]) -> list[_Turn]:
         raise _RowError("wrong_type", f"'instruction' must be a string, got {type(instruction).__name__}")
     extra = _optional_str(row, "input")
     system = _optional_str(row, "system")
+    has_system = row.get("system") is not None
     if not instruction.strip():
         raise _RowError("empty_user_content", "'instruction' is empty")
     # Alpaca's own prompt puts the input after the instruction, separated by a blank line.
     user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
     turns: list[_Turn] = [("user", user, "instruction", row)]
-    if system.strip():
+    if has_system:
         turns.insert(0, ("system", system, "system", row))
     return turns
 
@@ -697,9 +698,9 @@ def _conversation(turns: list[_Turn]) -> list[Message]:
         if role == "assistant" and raw.get("tool_calls"):
             raise _RowError("unsupported_role", f"{label}: assistant turn with tool calls is not supported")
         text = _text(content, label)
-        if not text.strip():
-            if role == "system":
-                continue  # an empty system prompt means none; the template would render an empty block
+        if not text.strip() and role != "system":
+            # An empty system prompt is kept: the template renders its (empty) block, and the prompt must be
+            # what apply_chat_template makes of the messages as given.
             reason = "empty_user_content" if role == "user" else "empty_assistant_content"
             raise _RowError(reason, f"{label} is empty")
         messages.append({"role": role, "content": text})

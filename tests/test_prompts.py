@@ -267,6 +267,36 @@ def test_truncated_json_list_fails_loudly(tmp_path: Path) -> None:
         load(f)
 
 
+def test_empty_or_blank_system_prompt_is_kept_as_given(tmp_path: Path) -> None:
+    # Issue 13.6: the loader dropped an empty system prompt, so the prompt differed from apply_chat_template.
+    from datagen.chat import ChatTokenizer
+    from datagen.model_fixture import ensure_model_dir
+
+    f = write_jsonl(
+        tmp_path / "sys.jsonl",
+        [
+            oa(("system", ""), ("user", "Question one")),
+            sg(("system", "  \n"), ("human", "Question two")),
+            {"instruction": "Question three", "system": ""},
+            {"instruction": "Question four"},
+        ],
+    )
+    prompts, rejects = load(f)
+    assert rejects == []
+    given = [
+        [{"role": "system", "content": ""}, {"role": "user", "content": "Question one"}],
+        [{"role": "system", "content": "  \n"}, {"role": "user", "content": "Question two"}],
+        [{"role": "system", "content": ""}, {"role": "user", "content": "Question three"}],
+        [{"role": "user", "content": "Question four"}],
+    ]
+    assert [p.messages for p in prompts] == given
+    chat = ChatTokenizer.from_model_dir(ensure_model_dir())
+    hf = chat._hf  # the reference: transformers' own apply_chat_template on the messages as given
+    for p, messages in zip(prompts, given, strict=True):
+        reference = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        assert chat.prompt_ids(p.messages) == reference["input_ids"]
+
+
 def test_json_list_trailing_garbage_is_reported(tmp_path: Path) -> None:
     f = tmp_path / "tail.json"
     f.write_text('[{"instruction": "a"}]\nextra\n')
