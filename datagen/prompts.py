@@ -161,7 +161,9 @@ def _to_prompt(source: PromptSource, label: str, row: int, where: str, raw: Any,
         messages = _messages(raw, source.format)
         category = _category(raw, source.category_field)
     except _RowError as err:
-        return Reject(stage="load", reason=err.reason, detail=f"{where}: {err.message}", source=label, row=row)
+        return Reject(
+            stage="load", reason=err.reason, detail=f"{where}: {err.message}", source=label, row=row, location=where
+        )
     prompt_id = prompt_id_for(label, messages)
     if prompt_id in seen:
         return Reject(
@@ -171,9 +173,10 @@ def _to_prompt(source: PromptSource, label: str, row: int, where: str, raw: Any,
             source=label,
             row=row,
             prompt_id=prompt_id,
+            location=where,
         )
     seen.add(prompt_id)
-    return Prompt(prompt_id=prompt_id, source=label, row=row, messages=messages, category=category)
+    return Prompt(prompt_id=prompt_id, source=label, row=row, messages=messages, category=category, location=where)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -432,8 +432,10 @@ class SummaryBuilder:
 
 
 def reject_origin(r: Reject) -> str:
-    """Where a rejected row came from, for people: its source row and prompt id."""
+    """Where a rejected row came from, for people: its file and line (else source row) and prompt id."""
     pid = f" (prompt {r.prompt_id})" if r.prompt_id else ""
+    if r.location:
+        return f"{r.location}{pid}"
     return f"{r.source} row {r.row}{pid}" if r.row is not None else f"{r.source}{pid}"
 
 

@@ -43,9 +43,12 @@ class Prompt:
 
     prompt_id: str
     source: str
-    row: int  # 0-based row index in its source, for error messages and lineage
+    row: int  # 0-based row index in its source (rejected rows counted), for lineage; see `location`
     messages: list[Message]
     category: str | None = None
+    # Where the row is, to find it by hand: "file:line" (1-based, blank lines counted) for JSON lines and
+    # JSON lists, "file:row N" for parquet, "dataset[split]:row N" for `datasets` rows (N 0-based).
+    location: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), ensure_ascii=False)
@@ -67,6 +70,7 @@ class Reject:
     prompt_id: str | None = None
     completion_tokens: int | None = None
     request_key: str | None = None  # generation stage: content key, so a rerun knows this request is settled
+    location: str | None = None  # the input row: "file:line", "file:row N" or "dataset[split]:row N" (see Prompt)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), ensure_ascii=False)
@@ -86,6 +90,7 @@ REJECT_SCHEMA = pa.schema(
         pa.field("prompt_id", pa.string()),
         pa.field("completion_tokens", pa.int64()),
         pa.field("request_key", pa.string()),
+        pa.field("location", pa.string()),
     ]
 )
 
@@ -108,6 +113,7 @@ class Completion:
     latency_s: float = 0.0
     category: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    location: str | None = None  # the input row (see Prompt.location)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), ensure_ascii=False)

@@ -172,6 +172,7 @@ def _reject(prompt: Prompt, key: str, reason: str, detail: str) -> Reject:
         row=prompt.row,
         prompt_id=prompt.prompt_id,
         request_key=key,
+        location=prompt.location,
     )
 
 
@@ -194,6 +195,7 @@ def _completion(prompt: Prompt, key: str, sent_tokens: int, result: GenerateResu
         latency_s=round(result.latency_s, 3),
         category=prompt.category,
         meta=meta,
+        location=prompt.location,
     )
 
 

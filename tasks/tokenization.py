@@ -363,7 +363,16 @@ def tokenize_accepted(
         for c, result in zip(completions, built, strict=True):
             if isinstance(result, RowRejected):
                 reject(
-                    Reject("tokenize", result.reason, result.detail, c.source, c.row, c.prompt_id, len(c.output_ids))
+                    Reject(
+                        "tokenize",
+                        result.reason,
+                        result.detail,
+                        c.source,
+                        c.row,
+                        c.prompt_id,
+                        len(c.output_ids),
+                        location=c.location,
+                    )
                 )
             else:
                 rows.append(result)

@@ -143,6 +143,7 @@ def _reject(c: Completion, v: Verdict) -> Reject:
         row=c.row,
         prompt_id=c.prompt_id,
         completion_tokens=len(c.output_ids),
+        location=c.location,
     )
 
 
@@ -157,6 +158,7 @@ def _malformed(path: Path, lineno: int, err: MalformedRecord) -> Reject:
         source=str(raw.get("source") or path.name),
         row=row if isinstance(row, int) else None,
         prompt_id=prompt_id if isinstance(prompt_id, str) else None,
+        location=raw["location"] if isinstance(raw.get("location"), str) else None,
     )
 
 

@@ -344,6 +344,21 @@ def test_category_field(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------------------------- files, dirs, datasets
 
 
+def test_every_prompt_and_reject_names_its_file_and_line(tmp_path: Path) -> None:
+    # Issue 13.8: later stages only had a 0-based row that skips blank lines; now every row carries its location.
+    f = tmp_path / "gaps.jsonl"
+    f.write_text('\n{"instruction": "one"}\n\n\n{"instruction": 2}\n\n{"instruction": "three"}\n')
+    prompts, rejects = load(f)
+    assert [(p.row, p.location) for p in prompts] == [(0, f"{f}:2"), (2, f"{f}:7")]
+    assert [(r.row, r.location) for r in rejects] == [(1, f"{f}:5")]
+    table = tmp_path / "t.parquet"
+    pq.write_table(pa.Table.from_pylist([{"instruction": "a"}, {"instruction": "b"}]), table)
+    assert [p.location for p in load(table)[0]] == [f"{table}:row 0", f"{table}:row 1"]
+    listed = tmp_path / "l.json"
+    listed.write_text('[\n  {"instruction": "a"},\n\n  {"instruction": "b"}\n]')
+    assert [p.location for p in load(listed)[0]] == [f"{listed}:2", f"{listed}:4"]
+
+
 def test_parquet_file(tmp_path: Path) -> None:
     table = pa.Table.from_pylist(
         [

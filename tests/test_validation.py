@@ -326,6 +326,17 @@ def test_validate_shards_accounts_for_every_line(chat: ChatTokenizer, tmp_path: 
     assert "| placeholder | 1 | 12.5% | src row 0 (prompt " in report and "| src | 4 | 100.0% |" in report
 
 
+def test_validation_rejects_name_the_input_file_and_line(chat: ChatTokenizer, tmp_path: Path) -> None:
+    # Issue 13.8: a reject after loading names the input row, not only the checkpoint line.
+    bad = make(chat, "OK.", question="loc")
+    bad.location = "/data/prompts/set.jsonl:17"
+    shard = _write(tmp_path / "shard-00000.completions.jsonl", [bad.to_json()])
+    summary = validate_shards([shard], tmp_path / "out", SPEC, enable_thinking=True)
+    [reject] = [Reject.from_json(line) for line in Path(summary.reject_paths[0]).read_text().splitlines()]
+    assert (reject.reason, reject.location) == ("placeholder", "/data/prompts/set.jsonl:17")
+    assert summary.reject_samples["placeholder"][0].startswith("/data/prompts/set.jsonl:17 (prompt ")
+
+
 def test_validate_shards_rejects_colliding_output_names(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     a = _write(tmp_path / "a" / "shard-00000.completions.jsonl", [])
