@@ -16,6 +16,7 @@ are kept; the last kept turn must be a user turn.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -24,10 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from datagen.records import Message, Prompt, Reject, prompt_id_for
-from datagen.runspec import PromptSource
+from datagen.chat import ChatTokenizer, TemplateError
+from datagen.records import Message, Prompt, Reject, prompt_id_for, prompt_id_from_ids
+from datagen.runspec import PromptSource, RunSpec
 
-__all__ = ["LOAD_REJECT_REASONS", "LOCAL_SUFFIXES", "PromptSourceError", "iter_prompts"]
+__all__ = ["LOAD_REJECT_REASONS", "LOCAL_SUFFIXES", "PromptIdentity", "PromptSourceError", "iter_prompts"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,8 @@ LOAD_REJECT_REASONS = frozenset(
         "no_user_turn",
         "last_turn_not_user",
         "duplicate_prompt",
+        "template_error",
+        "prompt_too_long",
     }
 )
 
@@ -112,15 +116,68 @@ class _Unit:
     rows: Callable[[], Iterator[tuple[str, Any]]]  # yields (where, row or _Unreadable)
 
 
-def iter_prompts(sources: list[PromptSource], base_dir: Path | None = None) -> Iterator[Prompt | Reject]:
-    """Stream every row of `sources`, in order, as a Prompt or a load Reject (config errors raise first)."""
+class PromptIdentity:
+    """Prompt ids from what the model sees: the rendered prompt's token ids under the checkpoint's template.
+
+    Two rows whose messages differ only in what the template normalizes (e.g. whitespace it trims) render
+    to the same ids, so they are one prompt: the later one is a `duplicate_prompt`. Rendering at load also
+    rejects what could never be sent (`template_error`, `prompt_too_long`); a row too large to fit is told
+    by its length alone, before anything is tokenized.
+    """
+
+    def __init__(self, chat: ChatTokenizer, enable_thinking: bool, token_limit: int) -> None:
+        self.chat = chat
+        self.enable_thinking = enable_thinking
+        self.token_limit = token_limit
+
+    @classmethod
+    def for_spec(cls, spec: RunSpec) -> PromptIdentity | None:
+        """The identity a run's prompts get; None (ids from the messages) when its model directory has no tokenizer."""
+        path = Path(spec.model_path)
+        if not (path / "tokenizer.json").is_file():
+            log.warning("%s: no tokenizer, prompt ids are taken from the messages, not the rendered tokens", path)
+            return None
+        return cls(_chat_for(str(path.resolve())), spec.sampling.enable_thinking, spec.prompt_token_limit)
+
+    def __call__(self, source: str, messages: list[Message]) -> str:
+        """The prompt id of `messages` from `source`; raises _RowError for a prompt that cannot be sent."""
+        chars = self.chat.surely_over(messages, self.token_limit)
+        if chars is not None:
+            raise _RowError(
+                "prompt_too_long",
+                f"{chars} characters of content cannot fit in {self.token_limit} prompt tokens (a token holds at "
+                f"most {self.chat.max_token_bytes} bytes); rejected without tokenizing",
+            )
+        try:
+            ids = self.chat.prompt_ids(messages, self.enable_thinking)
+        except TemplateError as exc:
+            raise _RowError("template_error", f"the chat template refused it: {exc}") from exc
+        if len(ids) > self.token_limit:
+            raise _RowError("prompt_too_long", f"prompt has {len(ids)} tokens, limit is {self.token_limit}")
+        return prompt_id_from_ids(source, ids)
+
+
+@functools.lru_cache(maxsize=4)
+def _chat_for(model_dir: str) -> ChatTokenizer:
+    return ChatTokenizer.from_model_dir(model_dir)
+
+
+def iter_prompts(
+    sources: list[PromptSource], base_dir: Path | None = None, identity: PromptIdentity | None = None
+) -> Iterator[Prompt | Reject]:
+    """Stream every row of `sources`, in order, as a Prompt or a load Reject (config errors raise first).
+
+    With `identity`, prompt ids (and so duplicates) follow the rendered token ids; without, the messages.
+    """
     # Resolve every source before reading any row: a typo in the third source should fail before
     # the first two have been streamed into shards.
     resolved = [(source, _resolve(source, base_dir)) for source in sources]
-    return _stream(resolved)
+    return _stream(resolved, identity)
 
 
-def _stream(resolved: list[tuple[PromptSource, list[_Unit]]]) -> Iterator[Prompt | Reject]:
+def _stream(
+    resolved: list[tuple[PromptSource, list[_Unit]]], identity: PromptIdentity | None
+) -> Iterator[Prompt | Reject]:
     seen: set[str] = set()
     for source, units in resolved:
         n_read = 0
@@ -142,17 +199,25 @@ def _stream(resolved: list[tuple[PromptSource, list[_Unit]]]) -> Iterator[Prompt
                         next_row[unit.label] = row + 1
                         n_read += 1
                         lost = _Unreadable("unreadable_rest", f"{raw.message}; lost row {k + 1} of {raw.n_lost}")
-                        yield _to_prompt(source, unit.label, row, where, lost, seen)
+                        yield _to_prompt(source, unit.label, row, where, lost, seen, identity)
                     break
                 row = next_row.get(unit.label, 0)
                 next_row[unit.label] = row + 1
                 n_read += 1
-                yield _to_prompt(source, unit.label, row, where, raw, seen)
+                yield _to_prompt(source, unit.label, row, where, raw, seen, identity)
                 if source.max_rows is not None and n_read >= source.max_rows:
                     break
 
 
-def _to_prompt(source: PromptSource, label: str, row: int, where: str, raw: Any, seen: set[str]) -> Prompt | Reject:
+def _to_prompt(
+    source: PromptSource,
+    label: str,
+    row: int,
+    where: str,
+    raw: Any,
+    seen: set[str],
+    identity: PromptIdentity | None,
+) -> Prompt | Reject:
     try:
         if isinstance(raw, _Unreadable):
             raise _RowError(raw.reason, raw.message)
@@ -160,16 +225,16 @@ def _to_prompt(source: PromptSource, label: str, row: int, where: str, raw: Any,
             raise _RowError("not_an_object", f"row is a JSON {type(raw).__name__}, expected an object")
         messages = _messages(raw, source.format)
         category = _category(raw, source.category_field)
+        prompt_id = identity(label, messages) if identity is not None else prompt_id_for(label, messages)
     except _RowError as err:
         return Reject(
             stage="load", reason=err.reason, detail=f"{where}: {err.message}", source=label, row=row, location=where
         )
-    prompt_id = prompt_id_for(label, messages)
     if prompt_id in seen:
         return Reject(
             stage="load",
             reason="duplicate_prompt",
-            detail=f"{where}: same conversation as an earlier row of source {label!r} (prompt id {prompt_id})",
+            detail=f"{where}: same prompt as an earlier row of source {label!r} (prompt id {prompt_id})",
             source=label,
             row=row,
             prompt_id=prompt_id,

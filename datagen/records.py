@@ -25,6 +25,7 @@ __all__ = [
     "RejectStage",
     "TokenRow",
     "prompt_id_for",
+    "prompt_id_from_ids",
 ]
 
 Message = dict[str, str]  # {"role": "system"|"user"|"assistant", "content": str}
@@ -32,9 +33,18 @@ RejectStage = Literal["load", "generate", "validate", "tokenize"]
 
 
 def prompt_id_for(source: str, messages: list[Message]) -> str:
-    """Stable id of a prompt: sha256 over its source label and its messages (24 hex chars)."""
+    """Id of a prompt without a tokenizer: sha256 over its source label and its messages (24 hex chars).
+
+    Runs use `prompt_id_from_ids` (through datagen.prompts.PromptIdentity) whenever the model is at hand.
+    """
     payload = json.dumps([source, [[m["role"], m["content"]] for m in messages]], ensure_ascii=False)
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:24]
+
+
+def prompt_id_from_ids(source: str, token_ids: list[int]) -> str:
+    """Id of a prompt as the model sees it: sha256 over its source label and its rendered token ids."""
+    payload = json.dumps([source, token_ids], separators=(",", ":"))
+    return hashlib.sha256(payload.encode("ascii")).hexdigest()[:24]
 
 
 @dataclass(slots=True)

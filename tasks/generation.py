@@ -295,6 +295,11 @@ def generate_shard(
             if key in settled or key in seen:
                 continue
             seen.add(key)
+            chars = chat.surely_over(prompt.messages, limit)
+            if chars is not None:  # told by its length alone: a huge row is never tokenized
+                detail = f"{chars} characters of content cannot fit in {limit} prompt tokens; not tokenized"
+                rejects.write(_reject(prompt, key, "prompt_too_long", detail).to_json())
+                continue
             try:
                 ids = chat.prompt_ids(prompt.messages, spec.sampling.enable_thinking)
             except TemplateError as exc:

@@ -21,7 +21,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.layout import RunLayout
-from datagen.prompts import iter_prompts
+from datagen.prompts import PromptIdentity, iter_prompts
 from datagen.quality import GateReport, check_load_gate
 from datagen.records import Prompt, Reject
 from datagen.runspec import QualityGate, RunSpec
@@ -81,7 +81,8 @@ def plan_shards(
     tasks.ordering); shards are written in the order it yields, which is the dispatch order.
     """
     # Resolves every source first: a config error raises here, before any file is touched.
-    items = iter_prompts(spec.sources, base_dir)
+    # Prompt ids follow the rendered token ids under the model's template (see PromptIdentity).
+    items = iter_prompts(spec.sources, base_dir, PromptIdentity.for_spec(spec))
     if select is not None:
         items = select(items)
     layout.shards_dir.mkdir(parents=True, exist_ok=True)

@@ -516,7 +516,7 @@ def test_duplicates_within_a_source_are_rejected_across_sources_kept(tmp_path: P
     assert isinstance(dup, Reject) and isinstance(items[0], Prompt) and isinstance(items[3], Prompt)
     assert dup.reason == "duplicate_prompt"
     assert dup.prompt_id == items[0].prompt_id
-    assert dup.detail.startswith(f"{a}:3: same conversation as an earlier row of source 'a'")
+    assert dup.detail.startswith(f"{a}:3: same prompt as an earlier row of source 'a'")
     assert items[3].prompt_id != items[0].prompt_id  # different source, different id
 
 
