@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,6 +39,7 @@ __all__ = [
     "ValidationSummary",
     "check_quality_gate",
     "count_reject_reasons",
+    "iter_in_plan_order",
     "iter_jsonl_completions",
     "render_validation_report",
     "shard_stem",
@@ -93,6 +95,35 @@ def iter_jsonl_completions(path: Path) -> Iterator[tuple[int, Completion | Malfo
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            try:
+                yield lineno, _parse(line)
+            except MalformedRecord as exc:
+                yield lineno, exc
+
+
+# The plan position generation records in `meta`; a key of the record, never text inside a JSON string
+# (where its quotes would be escaped).
+_PLAN_INDEX_RE = re.compile(rb'[{,] ?"plan_index": ?(\d+)')
+
+
+def iter_in_plan_order(path: Path) -> Iterator[tuple[int, Completion | MalformedRecord]]:
+    """Like iter_jsonl_completions, but in the shard's plan order (meta.plan_index), not the order they finished.
+
+    Two passes over the file: offsets and plan positions first (a few bytes per line), then the lines in
+    order; lines without a plan position keep their file order after the others.
+    """
+    index: list[tuple[int, int, int, int]] = []  # (plan position, line number, offset, length)
+    with path.open("rb") as f:
+        offset = 0
+        for lineno, raw in enumerate(f, 1):
+            if raw.strip():
+                found = _PLAN_INDEX_RE.findall(raw)
+                index.append((int(found[-1]) if found else 1 << 62, lineno, offset, len(raw)))
+            offset += len(raw)
+        index.sort()
+        for _, lineno, start, size in index:
+            f.seek(start)
+            line = f.read(size).decode("utf-8")
             try:
                 yield lineno, _parse(line)
             except MalformedRecord as exc:
@@ -180,7 +211,8 @@ def validate_shards(
         accepted_path = out_dir / f"{stem}.accepted.jsonl"
         rejects_path = out_dir / f"{stem}.rejects.jsonl"
         with _atomic_text(accepted_path) as acc, _atomic_text(rejects_path) as rej:
-            for lineno, item in iter_jsonl_completions(path):
+            # Plan order, whatever finished first: the copy kept of a duplicate is the one planned first.
+            for lineno, item in iter_in_plan_order(path):
                 if isinstance(item, MalformedRecord):
                     r = _malformed(path, lineno, item)
                     builder.reject(r)

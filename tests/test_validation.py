@@ -337,6 +337,23 @@ def test_validation_rejects_name_the_input_file_and_line(chat: ChatTokenizer, tm
     assert summary.reject_samples["placeholder"][0].startswith("/data/prompts/set.jsonl:17 (prompt ")
 
 
+def test_duplicates_keep_the_copy_earlier_in_plan_order_whatever_finished_first(
+    chat: ChatTokenizer, tmp_path: Path
+) -> None:
+    # Issue 13.5: the kept copy was the one that happened to finish first.
+    early, late = (make(chat, thinking_text(), question=q) for q in ("planned first", "planned second"))
+    early.meta, late.meta = {"plan_index": 0}, {"plan_index": 1}
+    other = make(chat, thinking_text(answer=f"{ANSWER} Other."), question="planned third")
+    other.meta = {"plan_index": 2}
+    shard = _write(tmp_path / "shard-00000.completions.jsonl", [other.to_json(), late.to_json(), early.to_json()])
+    summary = validate_shards([shard], tmp_path / "out", SPEC, enable_thinking=True)
+    accepted = [Completion.from_json(line) for line in Path(summary.accepted_paths[0]).read_text().splitlines()]
+    assert [c.prompt_id for c in accepted] == [early.prompt_id, other.prompt_id]  # plan order
+    [dup] = [Reject.from_json(line) for line in Path(summary.reject_paths[0]).read_text().splitlines()]
+    assert (dup.reason, dup.prompt_id) == ("duplicate_completion", late.prompt_id)
+    assert early.prompt_id in dup.detail
+
+
 def test_validate_shards_rejects_colliding_output_names(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     a = _write(tmp_path / "a" / "shard-00000.completions.jsonl", [])
