@@ -184,7 +184,11 @@ def finish_dataset(
     )
     # Rows can still fail the token round-trip check: the gate sees the final counts before anything ships.
     published_rejects = [str(layout.staging_dir / f) for f in tokenized.reject_files]
-    gate_task(summary, spec.quality_gate, upstream_reasons, published_rejects, tokenized.tokenize_rejected)
+    final = gate_task(summary, spec.quality_gate, upstream_reasons, published_rejects, tokenized.tokenize_rejected)
+    # Published with the data: each reject reason's share and example rows, and the gate that passed.
+    (layout.staging_dir / validation.REPORT_NAME).write_text(
+        validation.render_validation_report(summary, final), encoding="utf-8"
+    )
     write_dataset_card(
         layout.staging_dir,
         namespace=spec.namespace,

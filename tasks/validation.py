@@ -32,6 +32,7 @@ from datagen.runspec import ValidationSpec
 
 # The gate and the report are re-exported so the flow finds the whole validation stage here.
 __all__ = [
+    "REPORT_NAME",
     "SUMMARY_NAME",
     "GateReport",
     "MalformedRecord",
@@ -47,6 +48,7 @@ __all__ = [
 ]
 
 SUMMARY_NAME = "validation-summary.json"
+REPORT_NAME = "validation-report.md"  # published beside the data (flows/expand_dataset.py)
 
 # Fields a checkpoint line must carry with these types; anything else is a malformed record, not a crash.
 _REQUIRED: dict[str, type | tuple[type, ...]] = {

@@ -113,6 +113,8 @@ def test_flow_publishes_token_exact_dataset_and_never_overwrites(
     assert report["uri"] == store.uri("e2e_v1/")
     keys = {o.key for o in store.list("e2e_v1/")}
     assert "e2e_v1/manifest.json" in keys and "e2e_v1/README.md" in keys
+    md = store.get_bytes("e2e_v1/validation-report.md").decode()  # each reason's share and examples
+    assert "**PASSED**: quality gate" in md and "| reason | count | share of completions | examples |" in md
     manifest = json.loads(store.get_bytes("e2e_v1/manifest.json"))
     listed = [o["key"] for o in manifest["objects"]]
     assert len(listed) == len(set(listed)) == len(keys) - 1  # every object but the manifest, exactly once
