@@ -128,6 +128,20 @@ class ChatTokenizer:
         """Number of tokens in `text`."""
         return len(self.encode(text))
 
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """UTF-8 bytes of the longest token's text: a prompt of B bytes has at least B / this many tokens."""
+        return max(len(self.decode([i]).encode("utf-8")) for i in range(self.vocab_size))
+
+    def surely_over(self, messages: list[Message], token_limit: int) -> int | None:
+        """Characters of the messages' (trimmed) content when they cannot fit in `token_limit` tokens, else None.
+
+        Needs no tokenizing: every token holds at most `max_token_bytes` bytes, so more characters than
+        token_limit x max_token_bytes are more tokens than the limit whatever the template does around them.
+        """
+        chars = sum(len(m["content"].strip()) for m in messages if isinstance(m.get("content"), str))
+        return chars if chars > token_limit * self.max_token_bytes else None
+
     @property
     def vocab_size(self) -> int:
         size: int = self._fast.get_vocab_size(with_added_tokens=True)

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-__all__ = ["apply_overrides", "load_spec", "main"]
+__all__ = ["apply_overrides", "load_spec", "main", "run_summary"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_STACK_DIR = Path(".datagen") / "stack"
@@ -67,11 +67,28 @@ def load_spec(config: Path | None, overrides: list[str]) -> Any:
 def _cmd_run(args: argparse.Namespace) -> int:
     _quiet_prefect_defaults()
     spec = load_spec(args.config, args.set)
+    from datagen.prompts import PromptSourceError
+    from datagen.quality import QualityGateError
     from flows.expand_dataset import expand_dataset
 
-    report = expand_dataset(spec, dry_run=args.dry_run)
-    print(report["uri"])
+    try:
+        report = expand_dataset(spec, dry_run=args.dry_run)
+    except (QualityGateError, PromptSourceError) as exc:
+        print(f"datagen: run failed: {exc}", file=sys.stderr)
+        return 1
+    print(run_summary(report))
     return 0
+
+
+def run_summary(report: dict[str, Any]) -> str:
+    """One or two lines saying what a run published (or why nothing), never a bare None."""
+    if report.get("uri") is None:
+        return f"nothing published in namespace {report.get('namespace')}: {report.get('reason', 'no prompts')}"
+    dry = " (dry run: nothing written)" if report.get("dry_run") else ""
+    return (
+        f"published {report.get('rows')} rows ({report.get('rejects')} rejects) from {report.get('prompts')} "
+        f"prompts{dry}\n{report['uri']}"
+    )
 
 
 def _cmd_check(args: argparse.Namespace) -> int:

@@ -16,17 +16,22 @@ are kept; the last kept turn must be a user turn.
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from datagen.records import Message, Prompt, Reject, prompt_id_for
-from datagen.runspec import PromptSource
+from datagen.chat import ChatTokenizer, TemplateError
+from datagen.records import Message, Prompt, Reject, prompt_id_for, prompt_id_from_ids
+from datagen.runspec import PromptSource, RunSpec
 
-__all__ = ["LOAD_REJECT_REASONS", "LOCAL_SUFFIXES", "PromptSourceError", "iter_prompts"]
+__all__ = ["LOAD_REJECT_REASONS", "LOCAL_SUFFIXES", "PromptIdentity", "PromptSourceError", "iter_prompts"]
+
+log = logging.getLogger(__name__)
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -34,6 +39,7 @@ LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 LOAD_REJECT_REASONS = frozenset(
     {
         "invalid_json",
+        "unreadable_rest",
         "invalid_utf8",
         "not_an_object",
         "unknown_format",
@@ -50,6 +56,8 @@ LOAD_REJECT_REASONS = frozenset(
         "no_user_turn",
         "last_turn_not_user",
         "duplicate_prompt",
+        "template_error",
+        "prompt_too_long",
     }
 )
 
@@ -92,6 +100,15 @@ class _Unreadable:
 
 
 @dataclass(frozen=True, slots=True)
+class _LostRest:
+    """The rest of a file cannot be split into rows: at least `n_lost` rows are lost after `n_before` read."""
+
+    n_lost: int
+    n_before: int
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
 class _Unit:
     """One stream of rows: a file, a saved dataset or a hub dataset, with the source label its rows get."""
 
@@ -99,15 +116,68 @@ class _Unit:
     rows: Callable[[], Iterator[tuple[str, Any]]]  # yields (where, row or _Unreadable)
 
 
-def iter_prompts(sources: list[PromptSource], base_dir: Path | None = None) -> Iterator[Prompt | Reject]:
-    """Stream every row of `sources`, in order, as a Prompt or a load Reject (config errors raise first)."""
+class PromptIdentity:
+    """Prompt ids from what the model sees: the rendered prompt's token ids under the checkpoint's template.
+
+    Two rows whose messages differ only in what the template normalizes (e.g. whitespace it trims) render
+    to the same ids, so they are one prompt: the later one is a `duplicate_prompt`. Rendering at load also
+    rejects what could never be sent (`template_error`, `prompt_too_long`); a row too large to fit is told
+    by its length alone, before anything is tokenized.
+    """
+
+    def __init__(self, chat: ChatTokenizer, enable_thinking: bool, token_limit: int) -> None:
+        self.chat = chat
+        self.enable_thinking = enable_thinking
+        self.token_limit = token_limit
+
+    @classmethod
+    def for_spec(cls, spec: RunSpec) -> PromptIdentity | None:
+        """The identity a run's prompts get; None (ids from the messages) when its model directory has no tokenizer."""
+        path = Path(spec.model_path)
+        if not (path / "tokenizer.json").is_file():
+            log.warning("%s: no tokenizer, prompt ids are taken from the messages, not the rendered tokens", path)
+            return None
+        return cls(_chat_for(str(path.resolve())), spec.sampling.enable_thinking, spec.prompt_token_limit)
+
+    def __call__(self, source: str, messages: list[Message]) -> str:
+        """The prompt id of `messages` from `source`; raises _RowError for a prompt that cannot be sent."""
+        chars = self.chat.surely_over(messages, self.token_limit)
+        if chars is not None:
+            raise _RowError(
+                "prompt_too_long",
+                f"{chars} characters of content cannot fit in {self.token_limit} prompt tokens (a token holds at "
+                f"most {self.chat.max_token_bytes} bytes); rejected without tokenizing",
+            )
+        try:
+            ids = self.chat.prompt_ids(messages, self.enable_thinking)
+        except TemplateError as exc:
+            raise _RowError("template_error", f"the chat template refused it: {exc}") from exc
+        if len(ids) > self.token_limit:
+            raise _RowError("prompt_too_long", f"prompt has {len(ids)} tokens, limit is {self.token_limit}")
+        return prompt_id_from_ids(source, ids)
+
+
+@functools.lru_cache(maxsize=4)
+def _chat_for(model_dir: str) -> ChatTokenizer:
+    return ChatTokenizer.from_model_dir(model_dir)
+
+
+def iter_prompts(
+    sources: list[PromptSource], base_dir: Path | None = None, identity: PromptIdentity | None = None
+) -> Iterator[Prompt | Reject]:
+    """Stream every row of `sources`, in order, as a Prompt or a load Reject (config errors raise first).
+
+    With `identity`, prompt ids (and so duplicates) follow the rendered token ids; without, the messages.
+    """
     # Resolve every source before reading any row: a typo in the third source should fail before
     # the first two have been streamed into shards.
     resolved = [(source, _resolve(source, base_dir)) for source in sources]
-    return _stream(resolved)
+    return _stream(resolved, identity)
 
 
-def _stream(resolved: list[tuple[PromptSource, list[_Unit]]]) -> Iterator[Prompt | Reject]:
+def _stream(
+    resolved: list[tuple[PromptSource, list[_Unit]]], identity: PromptIdentity | None
+) -> Iterator[Prompt | Reject]:
     seen: set[str] = set()
     for source, units in resolved:
         n_read = 0
@@ -116,15 +186,38 @@ def _stream(resolved: list[tuple[PromptSource, list[_Unit]]]) -> Iterator[Prompt
             if source.max_rows is not None and n_read >= source.max_rows:
                 break
             for where, raw in unit.rows():
+                if isinstance(raw, _LostRest):
+                    if not source.allow_partial_read:
+                        raise PromptSourceError(
+                            f"prompt source {source.path!r}: {where}: {raw.message}; at least {raw.n_lost} "
+                            f"row(s) after it cannot be read ({raw.n_before} row(s) read before it). Fix the "
+                            "file, or set allow_partial_read on this source to keep the rows before the break "
+                            "and record the rest as rejects"
+                        )
+                    for k in range(raw.n_lost):
+                        row = next_row.get(unit.label, 0)
+                        next_row[unit.label] = row + 1
+                        n_read += 1
+                        lost = _Unreadable("unreadable_rest", f"{raw.message}; lost row {k + 1} of {raw.n_lost}")
+                        yield _to_prompt(source, unit.label, row, where, lost, seen, identity)
+                    break
                 row = next_row.get(unit.label, 0)
                 next_row[unit.label] = row + 1
                 n_read += 1
-                yield _to_prompt(source, unit.label, row, where, raw, seen)
+                yield _to_prompt(source, unit.label, row, where, raw, seen, identity)
                 if source.max_rows is not None and n_read >= source.max_rows:
                     break
 
 
-def _to_prompt(source: PromptSource, label: str, row: int, where: str, raw: Any, seen: set[str]) -> Prompt | Reject:
+def _to_prompt(
+    source: PromptSource,
+    label: str,
+    row: int,
+    where: str,
+    raw: Any,
+    seen: set[str],
+    identity: PromptIdentity | None,
+) -> Prompt | Reject:
     try:
         if isinstance(raw, _Unreadable):
             raise _RowError(raw.reason, raw.message)
@@ -132,20 +225,23 @@ def _to_prompt(source: PromptSource, label: str, row: int, where: str, raw: Any,
             raise _RowError("not_an_object", f"row is a JSON {type(raw).__name__}, expected an object")
         messages = _messages(raw, source.format)
         category = _category(raw, source.category_field)
+        prompt_id = identity(label, messages) if identity is not None else prompt_id_for(label, messages)
     except _RowError as err:
-        return Reject(stage="load", reason=err.reason, detail=f"{where}: {err.message}", source=label, row=row)
-    prompt_id = prompt_id_for(label, messages)
+        return Reject(
+            stage="load", reason=err.reason, detail=f"{where}: {err.message}", source=label, row=row, location=where
+        )
     if prompt_id in seen:
         return Reject(
             stage="load",
             reason="duplicate_prompt",
-            detail=f"{where}: same conversation as an earlier row of source {label!r} (prompt id {prompt_id})",
+            detail=f"{where}: same prompt as an earlier row of source {label!r} (prompt id {prompt_id})",
             source=label,
             row=row,
             prompt_id=prompt_id,
+            location=where,
         )
     seen.add(prompt_id)
-    return Prompt(prompt_id=prompt_id, source=label, row=row, messages=messages, category=category)
+    return Prompt(prompt_id=prompt_id, source=label, row=row, messages=messages, category=category, location=where)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -278,8 +374,21 @@ def _read_json_array(path: Path) -> Iterator[tuple[str, Any]]:
         yield from _JsonArrayReader(f, str(path)).rows()
 
 
+# Characters that matter to the tolerant scan used to skip a broken row (inside and outside strings).
+_SCAN_OUTSIDE_RE = re.compile(r'["{}\[\],\n]')
+_SCAN_INSIDE_RE = re.compile(r'["\\\n]')
+_CLOSERS = {"}": "{", "]": "["}
+_BLANK_RE = re.compile(r"[ \t\r]*")
+
+
 class _JsonArrayReader:
-    """Streams the elements of one top-level JSON list without loading the file, tracking line numbers."""
+    """Streams the elements of one top-level JSON list without loading the file, tracking line numbers.
+
+    A syntax error inside one element makes that element one `_Unreadable` row and reading goes on at the
+    next element: found by a string- and bracket-aware scan to the element's closing ',' or, when that scan
+    cannot be trusted (a string broken by a newline, unbalanced brackets), at the next line that opens a
+    row at the broken row's indentation. When neither finds the next row, the rest is a `_LostRest`.
+    """
 
     def __init__(self, f: IO[str], name: str) -> None:
         self._f = f
@@ -289,9 +398,13 @@ class _JsonArrayReader:
         self._pos = 0
         self._line = 1  # line number of self._buf[self._pos]
         self._eof = False
+        # Text of the current line that a refill dropped from the buffer: its length, and whether all blank.
+        self._dropped_len = 0
+        self._dropped_blank = True
+        self._n_rows = 0
 
     def rows(self) -> Iterator[tuple[str, Any]]:
-        """Yield (where, element) per list element; a syntax error ends the file with one _Unreadable."""
+        """Yield (where, element) per list element; see the class docstring for broken rows."""
         if self._peek() != "[":
             yield f"{self._name}:{self._line}", _Unreadable("invalid_json", "expected a JSON list of rows")
             return
@@ -301,35 +414,177 @@ class _JsonArrayReader:
         else:
             while True:
                 where = f"{self._name}:{self._line}"
+                column, at_line_start = self._column()
+                start, start_line = self._pos, self._line
                 try:
                     value = self._decode()
                 except json.JSONDecodeError as exc:
                     line = self._line + self._buf.count("\n", self._pos, exc.pos)
-                    yield (
-                        where,
-                        _Unreadable(
-                            "invalid_json",
-                            f"invalid JSON at line {line}: {exc.msg}; the rest of the file cannot be read",
-                        ),
-                    )
-                    return
-                yield where, value
+                    message = f"invalid JSON at line {line}: {exc.msg}"
+                    if not self._skip_broken(column if at_line_start else None):
+                        self._pos, self._line = start, start_line
+                        yield where, self._lost_rest(message)
+                        return
+                    self._n_rows += 1
+                    yield where, _Unreadable("invalid_json", f"{message}; row skipped up to line {self._line}")
+                else:
+                    self._n_rows += 1
+                    yield where, value
                 nxt = self._peek()
                 if nxt == ",":
                     self._pos += 1
-                    self._peek()
+                    if self._peek() == "]":  # a trailing comma: tolerated, no row is lost to it
+                        self._pos += 1
+                        break
                     continue
                 if nxt == "]":
                     self._pos += 1
                     break
+                if nxt in ("{", "[", '"'):
+                    continue  # a missing ',' between two rows: both rows are still read
                 found = repr(nxt) if nxt else "end of file"
-                yield (
-                    f"{self._name}:{self._line}",
-                    _Unreadable("invalid_json", f"expected ',' or ']' after a row, found {found}"),
-                )
-                return
+                if not nxt:
+                    yield f"{self._name}:{self._line}", _Unreadable("invalid_json", "file ends before the closing ']'")
+                    return
+                # Stray text between rows: read on from it as if a (broken) row started there.
+                log.warning("%s:%d: expected ',' or ']' after a row, found %s", self._name, self._line, found)
         if self._peek():
             yield f"{self._name}:{self._line}", _Unreadable("invalid_json", "unexpected data after the closing ']'")
+
+    def _column(self) -> tuple[int, bool]:
+        """Column of the current position and whether only whitespace precedes it on its line."""
+        nl = self._buf.rfind("\n", 0, self._pos)
+        before = self._buf[nl + 1 : self._pos]
+        if nl >= 0:
+            return len(before), not before.strip()
+        return self._dropped_len + len(before), self._dropped_blank and not before.strip()
+
+    def _skip_broken(self, column: int | None) -> bool:
+        """Move past a row that does not parse, to the ',' or ']' after it or to the next row; False if lost."""
+        end, clean = self._scan_row()
+        if end is not None and (clean or column is None):
+            self._advance_to(end)
+            return True
+        if column is not None and self._next_row_line(column):
+            return True
+        if end is not None:
+            self._advance_to(end)
+            return True
+        return False
+
+    def _scan_row(self) -> tuple[int | None, bool]:
+        """Tolerant scan from a row's start to the ',' or ']' that ends it: (its position or None, trustworthy)."""
+        stack: list[str] = []
+        clean = True
+        pos = self._pos
+        in_string = False
+        while True:
+            pattern = _SCAN_INSIDE_RE if in_string else _SCAN_OUTSIDE_RE
+            m = pattern.search(self._buf, pos)
+            if m is None:
+                if len(self._buf) - self._pos > _JSON_MAX_ROW_CHARS or not self._more():
+                    return None, False
+                continue
+            ch, pos = m.group(), m.end()
+            if in_string:
+                if ch == '"':
+                    in_string = False
+                elif ch == "\\":
+                    if pos >= len(self._buf) and not self._more():
+                        return None, False
+                    pos += 1
+                else:  # a raw newline cannot be inside a JSON string: the string is broken, go on after it
+                    in_string, clean = False, False
+            elif ch == '"':
+                in_string = True
+            elif ch in "{[":
+                stack.append(ch)
+            elif ch in "}]":
+                if ch == "]" and not stack:
+                    return pos - 1, clean  # the list's own closing bracket
+                if not stack or stack[-1] != _CLOSERS[ch]:
+                    clean = False
+                if _CLOSERS[ch] in stack:
+                    while stack.pop() != _CLOSERS[ch]:
+                        pass
+            elif ch == "," and not stack:
+                return pos - 1, clean
+
+    def _next_row_line(self, column: int) -> bool:
+        """Move to the next line that opens a row at `column` (or closes the list further left); False at EOF."""
+        pos = self._pos
+        while True:
+            nl = self._buf.find("\n", pos)
+            if nl < 0:
+                if len(self._buf) - self._pos > _JSON_MAX_ROW_CHARS or not self._more():
+                    return False
+                continue
+            start = nl + 1
+            while True:
+                m = _BLANK_RE.match(self._buf, start)
+                first = m.end() if m else start
+                if first < len(self._buf) or self._eof or not self._more():
+                    break
+            if first >= len(self._buf):
+                return False
+            ch, col = self._buf[first], first - start
+            if (col == column and ch in "{[") or (col < column and ch == "]"):
+                self._advance_to(first)
+                return True
+            pos = start
+
+    def _more(self) -> bool:
+        """Append the next chunk without moving the buffer (scans hold positions into it); False at EOF."""
+        if self._eof:
+            return False
+        chunk = self._f.read(_JSON_CHUNK_CHARS)
+        if not chunk:
+            self._eof = True
+            return False
+        self._buf += chunk
+        return True
+
+    def _advance_to(self, end: int) -> None:
+        self._line += self._buf.count("\n", self._pos, end)
+        self._pos = end
+
+    def _lost_rest(self, message: str) -> _LostRest:
+        """The rest of the file cannot be split into rows: count at least the row here plus rows ',' closes."""
+        n_lost = 1
+        depth = 0
+        in_string = False
+        pos = self._pos
+        # A lower bound: top-level ',' outside strings (as far as strings can be told apart) end rows.
+        while True:
+            m = (_SCAN_INSIDE_RE if in_string else _SCAN_OUTSIDE_RE).search(self._buf, pos)
+            if m is None:
+                if self._eof or not self._fill_all():
+                    break
+                continue
+            ch, pos = m.group(), m.end()
+            if in_string:
+                if ch == '"' or ch == "\n":
+                    in_string = False
+                elif ch == "\\":
+                    pos += 1
+            elif ch == '"':
+                in_string = True
+            elif ch in "{[":
+                depth += 1
+            elif ch in "}]":
+                depth = max(0, depth - 1)
+            elif ch == "," and depth == 0:
+                n_lost += 1
+        lines = self._buf.count("\n", self._pos) + 1
+        return _LostRest(
+            n_lost,
+            self._n_rows,
+            f"{message}; the rest of the file ({lines} line(s) from line {self._line}) cannot be read",
+        )
+
+    def _fill_all(self) -> bool:
+        # Only for counting lost rows: bounded, a broken file is not read into memory without limit.
+        return len(self._buf) - self._pos <= _JSON_MAX_ROW_CHARS and self._more()
 
     def _fill(self) -> bool:
         """Append the next chunk (at least as large as what is buffered, so big rows take few reads)."""
@@ -337,6 +592,13 @@ class _JsonArrayReader:
         if not chunk:
             self._eof = True
             return False
+        dropped = self._buf[: self._pos]
+        nl = dropped.rfind("\n")
+        if nl >= 0:
+            self._dropped_len, self._dropped_blank = len(dropped) - nl - 1, not dropped[nl + 1 :].strip()
+        else:
+            self._dropped_len += len(dropped)
+            self._dropped_blank = self._dropped_blank and not dropped.strip()
         self._buf = self._buf[self._pos :] + chunk
         self._pos = 0
         return True
@@ -469,12 +731,13 @@ def _alpaca_turns(row: dict[str, Any]) -> list[_Turn]:
         raise _RowError("wrong_type", f"'instruction' must be a string, got {type(instruction).__name__}")
     extra = _optional_str(row, "input")
     system = _optional_str(row, "system")
+    has_system = row.get("system") is not None
     if not instruction.strip():
         raise _RowError("empty_user_content", "'instruction' is empty")
     # Alpaca's own prompt puts the input after the instruction, separated by a blank line.
     user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
     turns: list[_Turn] = [("user", user, "instruction", row)]
-    if system.strip():
+    if has_system:
         turns.insert(0, ("system", system, "system", row))
     return turns
 
@@ -503,9 +766,9 @@ def _conversation(turns: list[_Turn]) -> list[Message]:
         if role == "assistant" and raw.get("tool_calls"):
             raise _RowError("unsupported_role", f"{label}: assistant turn with tool calls is not supported")
         text = _text(content, label)
-        if not text.strip():
-            if role == "system":
-                continue  # an empty system prompt means none; the template would render an empty block
+        if not text.strip() and role != "system":
+            # An empty system prompt is kept: the template renders its (empty) block, and the prompt must be
+            # what apply_chat_template makes of the messages as given.
             reason = "empty_user_content" if role == "user" else "empty_assistant_content"
             raise _RowError(reason, f"{label} is empty")
         messages.append({"role": role, "content": text})

@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 from pydantic import BaseModel, Field
 
 from datagen.chat import ENDOFTEXT_ID, IM_END_ID, THINK_END_ID, THINK_START_ID
@@ -31,20 +32,25 @@ __all__ = [
     "DuplicateIndex",
     "GateCheck",
     "GateReport",
+    "Loop",
     "QualityGateError",
     "SummaryBuilder",
     "TokenDistribution",
     "ValidationSummary",
     "Verdict",
     "check_completion",
+    "check_load_gate",
     "check_quality_gate",
     "completion_body",
+    "find_loops",
+    "reject_origin",
     "render_validation_report",
     "repeated_ngram_share",
 ]
 
 STOP_IDS = frozenset({IM_END_ID, ENDOFTEXT_ID})
 NO_CATEGORY = "(none)"
+EXAMPLES_PER_REASON = 3
 NGRAM = 8  # ValidationSpec.max_repeated_ngram_share is defined over 8-grams
 # "\n" and "\n\n": the output format puts these between </think> and the answer; they are not answer tokens.
 _NEWLINE_IDS = frozenset({198, 271})
@@ -58,13 +64,15 @@ VALIDATION_REASONS: tuple[str, ...] = (
     "unknown_finish_reason",
     "truncated",  # finish_reason "length" (when ValidationSpec.reject_truncated)
     "invalid_utf8",  # U+FFFD in the text: ids that do not decode to valid UTF-8
-    "unclosed_thinking",  # thinking on, finished, but no </think>
+    "placeholder",  # tiny reasoning and a tiny answer (thinking off: a tiny answer): the "OK." incident
+    "repeated_tail",  # the completion ends in 3+ back-to-back copies of a block: a loop (often cut at the limit)
+    "repeated_block",  # back-to-back copies of one block (any size) span over max_loop_share of the completion
+    "unclosed_thinking",  # thinking on, finished, real output, but no </think>
     "malformed_thinking",  # <think> in the output, several </think>, or </think> with thinking off
     "text_mismatch",  # ids hold </think> but the text does not
-    "empty_thinking",  # whitespace-only reasoning
-    "empty_answer",  # whitespace-only answer
-    "short_answer",  # answer below min_answer_tokens: the placeholder ("OK.") case
-    "repetition",  # too many repeated 8-grams: a loop
+    "empty_thinking",  # whitespace-only reasoning before a real answer
+    "empty_answer",  # whitespace-only answer after real reasoning
+    "repetition",  # too many repeated 8-grams (not back-to-back): a loop in pieces
     "duplicate_request",  # the same request key twice (a checkpoint written twice)
     "duplicate_completion",  # the same output ids for a different prompt
 )
@@ -107,8 +115,95 @@ def _answer_token_count(answer_ids: list[int]) -> int:
     return len(answer_ids) - i
 
 
+def _content_tokens(ids: list[int]) -> int:
+    """Tokens that are not the newlines the output format puts around </think>."""
+    return sum(1 for i in ids if i not in _NEWLINE_IDS)
+
+
+@dataclass(frozen=True, slots=True)
+class Loop:
+    """Back-to-back copies of one block: where they start, the block size and the tokens they span."""
+
+    start: int
+    period: int
+    span: int
+    at_end: bool
+
+    @property
+    def copies(self) -> float:
+        return self.span / self.period
+
+
+def find_loops(ids: list[int], n: int = NGRAM, candidates: int = 16) -> tuple[Loop | None, Loop | None]:
+    """The longest run of back-to-back copies of a block (of any size) in `ids`, and the one ending `ids`.
+
+    Candidate block sizes are the distances between repeated n-grams, plus every size below n (such blocks
+    repeat their n-grams at their own period too); each is then checked exactly, token by token: r >= p
+    positions in a row with ids[i] == ids[i + p] are copies of a p-token block spanning r + p tokens.
+    """
+    size = len(ids)
+    if size < 2:
+        return None, None
+    a = np.asarray(ids, dtype=np.int64)
+    periods: list[int] = []
+    if size > n:
+        windows = np.lib.stride_tricks.sliding_window_view(a, n).astype(np.uint64)
+        weights = np.array([pow(1_000_003, k, 1 << 64) for k in range(n)], dtype=np.uint64)
+        hashes = (windows * weights).sum(axis=1, dtype=np.uint64)
+        order = np.lexsort((np.arange(len(hashes)), hashes))
+        same = hashes[order[1:]] == hashes[order[:-1]]
+        gaps = (order[1:] - order[:-1])[same]
+        if len(gaps):
+            values, counts = np.unique(gaps, return_counts=True)
+            periods = [int(v) for v in values[np.argsort(-counts, kind="stable")][:candidates]]
+    periods += [p for p in range(1, n) if p not in periods]
+    longest: Loop | None = None
+    tail: Loop | None = None
+    for p in periods:
+        if 2 * p > size:
+            continue
+        eq = np.concatenate(([False], a[p:] == a[:-p], [False]))
+        edges = np.flatnonzero(eq[1:] != eq[:-1])
+        starts, ends = edges[::2], edges[1::2]  # runs of ids[i] == ids[i + p] over i in [start, end)
+        runs = ends - starts
+        if not len(runs) or int(runs.max()) < p:
+            continue
+        k = int(np.argmax(runs))
+        if longest is None or int(runs[k]) + p > longest.span:
+            longest = Loop(int(starts[k]), p, int(runs[k]) + p, int(ends[k]) == size - p)
+        if int(ends[-1]) == size - p and int(runs[-1]) >= p and (tail is None or int(runs[-1]) + p > tail.span):
+            tail = Loop(int(starts[-1]), p, int(runs[-1]) + p, True)
+    return longest, tail
+
+
+def _loop_verdict(c: Completion, body: list[int], spec: ValidationSpec) -> Verdict | None:
+    longest, tail = find_loops(body)
+
+    def where(loop: Loop) -> str:
+        copies = f"{loop.copies:.1f} back-to-back copies of a {loop.period}-token block"
+        return f"{copies} span {loop.span} of {len(body)} tokens"
+
+    if tail is not None and tail.copies >= 3 and tail.span >= spec.min_loop_tokens:
+        cut = " until the token limit" if c.finish_reason == "length" else ""
+        return Verdict(
+            "repeated_tail", f"the completion ends in a loop{cut}: {where(tail)}; ends with {c.text[-80:]!r}"
+        )
+    if longest is not None and longest.span >= spec.min_loop_tokens and longest.span > spec.max_loop_share * len(body):
+        share = longest.span / len(body)
+        return Verdict(
+            "repeated_block",
+            f"{where(longest)} ({share:.0%} > {spec.max_loop_share:.0%}), from token {longest.start}",
+        )
+    return None
+
+
 def check_completion(c: Completion, spec: ValidationSpec, enable_thinking: bool) -> Verdict:
-    """Run every stateless per-sample check; the first failing one names the reject reason."""
+    """Run every stateless per-sample check; the first failing one names the reject reason.
+
+    Thinking outputs are judged on reasoning and answer together: tiny reasoning with a tiny answer is a
+    placeholder, a short answer after real reasoning is kept; loops are looked for before truncation, so a
+    completion that looped until the token limit is named for its loop.
+    """
     ids = c.output_ids
     if not ids:
         return Verdict("empty_completion", "the server returned no output ids")
@@ -121,16 +216,21 @@ def check_completion(c: Completion, spec: ValidationSpec, enable_thinking: bool)
     if c.finish_reason not in ("stop", "length"):
         return Verdict("unknown_finish_reason", f"finish_reason={c.finish_reason!r}")
     truncated = c.finish_reason == "length"
+    body = completion_body(c)
+    loop = _loop_verdict(c, body, spec)
+    if loop is not None:
+        return loop
     if truncated and spec.reject_truncated:
-        return Verdict("truncated", f"cut at the token limit after {len(ids)} tokens")
+        where = "inside the reasoning" if enable_thinking and THINK_END_ID not in body else "in the answer"
+        return Verdict("truncated", f"cut at the token limit after {len(ids)} tokens, {where}")
     if "\ufffd" in c.text:
         pos = c.text.index("\ufffd")
         return Verdict("invalid_utf8", f"U+FFFD at character {pos}: {c.text[max(0, pos - 30) : pos + 10]!r}")
 
-    body = completion_body(c)
     n_end = body.count(THINK_END_ID)
     answer_ids = body
     answer_text = c.text
+    tiny = spec.min_answer_tokens
     if enable_thinking:
         if THINK_START_ID in body or n_end > 1:
             return Verdict("malformed_thinking", f"{body.count(THINK_START_ID)} <think> and {n_end} </think> tokens")
@@ -138,14 +238,24 @@ def check_completion(c: Completion, spec: ValidationSpec, enable_thinking: bool)
             if truncated:
                 # Kept truncated samples (reject_truncated off) may stop inside the thinking: no answer to judge.
                 return _after_structure(c, body, spec, answer_tokens=0)
+            if _content_tokens(body) < spec.min_reasoning_tokens + tiny:
+                return Verdict("placeholder", f"{len(body)} tokens and no </think>: {c.text.strip()[:80]!r}")
             return Verdict("unclosed_thinking", f"no </think> ({THINK_END_ID}) in {len(body)} tokens")
         k = body.index(THINK_END_ID)
         reasoning_text, sep, answer_text = c.text.partition("</think>")
         if not sep:
             return Verdict("text_mismatch", "the output ids hold </think> but the text does not")
+        answer_ids = body[k + 1 :]
+        reasoning_tokens = _content_tokens(body[:k]) if reasoning_text.strip() else 0
+        answer_tokens = _answer_token_count(answer_ids) if answer_text.strip() else 0
+        if not truncated and reasoning_tokens < spec.min_reasoning_tokens and answer_tokens < tiny:
+            return Verdict(
+                "placeholder",
+                f"{reasoning_tokens} reasoning and {answer_tokens} answer tokens: {answer_text.strip()[:80]!r}",
+                answer_tokens,
+            )
         if not reasoning_text.strip():
             return Verdict("empty_thinking", f"{k} reasoning tokens, all whitespace")
-        answer_ids = body[k + 1 :]
     elif THINK_START_ID in body or n_end:
         return Verdict("malformed_thinking", f"thinking is off but the output holds {n_end} </think> tokens")
 
@@ -153,10 +263,10 @@ def check_completion(c: Completion, spec: ValidationSpec, enable_thinking: bool)
     if not truncated:
         if not answer_text.strip():
             return Verdict("empty_answer", f"answer is whitespace only ({answer_tokens} tokens)")
-        if answer_tokens < spec.min_answer_tokens:
+        if not enable_thinking and answer_tokens < tiny:
             return Verdict(
-                "short_answer",
-                f"answer has {answer_tokens} tokens (< {spec.min_answer_tokens}): {answer_text.strip()[:80]!r}",
+                "placeholder",
+                f"answer has {answer_tokens} tokens (< {tiny}) and no reasoning: {answer_text.strip()[:80]!r}",
                 answer_tokens,
             )
     return _after_structure(c, body, spec, answer_tokens)
@@ -272,6 +382,10 @@ class ValidationSummary(BaseModel):
     rejected: int = Field(0, description="Completions rejected by validation.")
     reject_reasons: dict[str, int] = Field(default_factory=dict, description="Reason -> number of rejects.")
     reject_examples: dict[str, str] = Field(default_factory=dict, description="Reason -> detail of its first reject.")
+    reject_samples: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description=f"Reason -> up to {EXAMPLES_PER_REASON} example rejects: where the row came from, then the detail.",
+    )
     accepted_by_source: dict[str, int] = Field(default_factory=dict, description="Source -> accepted samples.")
     rejected_by_source: dict[str, int] = Field(default_factory=dict, description="Source -> rejected samples.")
     accepted_by_category: dict[str, int] = Field(default_factory=dict, description="Category -> accepted samples.")
@@ -312,6 +426,17 @@ class SummaryBuilder:
         _inc(s.reject_reasons, r.reason)
         _inc(s.rejected_by_source, r.source)
         s.reject_examples.setdefault(r.reason, r.detail)
+        samples = s.reject_samples.setdefault(r.reason, [])
+        if len(samples) < EXAMPLES_PER_REASON:
+            samples.append(f"{reject_origin(r)}: {r.detail}")
+
+
+def reject_origin(r: Reject) -> str:
+    """Where a rejected row came from, for people: its file and line (else source row) and prompt id."""
+    pid = f" (prompt {r.prompt_id})" if r.prompt_id else ""
+    if r.location:
+        return f"{r.location}{pid}"
+    return f"{r.source} row {r.row}{pid}" if r.row is not None else f"{r.source}{pid}"
 
 
 def _inc(d: dict[str, int], key: str) -> None:
@@ -380,15 +505,66 @@ def _length_evidence(dist: TokenDistribution) -> str:
     )
 
 
+def _reasons_line(title: str, reasons: dict[str, int], total: int) -> str:
+    rows = sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))
+    return f"  {title}: " + ", ".join(f"{k}={v} ({v / total:.1%})" for k, v in rows)
+
+
+def check_load_gate(
+    n_rows: int, n_prompts: int, load_rejects_by_reason: dict[str, int], gate: QualityGate, rejects_path: str
+) -> GateReport:
+    """Check the rows rejected at load against the gate before any server starts (GPU time is the cost).
+
+    Load rejects alone are a lower bound of the final reject rate, so a run that fails here would fail the
+    final gate too. A plan with rows but no usable prompt always fails: its input is wrong, not merely thin.
+    """
+    n_rejects = sum(load_rejects_by_reason.values())
+    checks: list[GateCheck] = []
+    if n_rows and not n_prompts:
+        checks.append(
+            GateCheck(
+                name="usable_prompts",
+                passed=False,
+                value=0,
+                limit=1,
+                comparison=">=",
+                message=f"all {n_rows} rows read were rejected at load: nothing could be generated",
+            )
+        )
+    rate = n_rejects / n_rows if n_rows else 0.0
+    checks.append(
+        GateCheck(
+            name="load_reject_rate",
+            passed=rate <= gate.max_reject_rate,
+            value=rate,
+            limit=gate.max_reject_rate,
+            comparison="<=",
+            message=f"{n_rejects}/{n_rows} rows rejected at load = {rate:.1%} (limit {gate.max_reject_rate:.1%})",
+        )
+    )
+    passed = all(c.passed for c in checks)
+    evidence: list[str] = []
+    if not passed:
+        evidence.append(_reasons_line("load rejects by reason", load_rejects_by_reason, n_rows))
+        evidence.append(f"  every load reject, with file and line: {rejects_path}")
+    return GateReport(passed=passed, checks=checks, evidence=evidence)
+
+
 def check_quality_gate(
-    summary: ValidationSummary, gate: QualityGate, upstream_rejects: int = 0, downstream_rejects: int = 0
+    summary: ValidationSummary,
+    gate: QualityGate,
+    upstream_rejects: int = 0,
+    downstream_rejects: int = 0,
+    upstream_reasons: dict[str, int] | None = None,
+    reject_paths: list[str] | None = None,
 ) -> GateReport:
     """Check the dataset against the gate.
 
     Reject rate counts every prompt that went in: load/generate rejects (`upstream_rejects`), validation
     rejects, and tokenization rejects (`downstream_rejects`, when the gate is re-run before publish).
     Length and mix checks look at the accepted samples. Samples without a category label count in the
-    denominator of category shares but are not a category themselves.
+    denominator of category shares but are not a category themselves. `upstream_reasons` ('stage/reason'
+    -> count, summing to `upstream_rejects`) and `reject_paths` name the rejects in the report.
     """
     accepted = summary.accepted - downstream_rejects
     attempted = summary.total + upstream_rejects
@@ -420,13 +596,16 @@ def check_quality_gate(
         )
     )
     if not ok:
-        reasons = sorted(summary.reject_reasons.items(), key=lambda kv: -kv[1])
-        parts = [f"{k}={v}" for k, v in reasons]
-        if upstream_rejects:
-            parts.append(f"load/generate={upstream_rejects}")
+        reasons = {f"validate/{k}": v for k, v in summary.reject_reasons.items()}
+        named = upstream_reasons or {}
+        reasons.update(named)
+        if upstream_rejects > sum(named.values()):
+            reasons["load+generate (reasons not given)"] = upstream_rejects - sum(named.values())
         if downstream_rejects:
-            parts.append(f"tokenize={downstream_rejects}")
-        evidence.append("  rejects by reason: " + ", ".join(parts))
+            reasons["tokenize"] = downstream_rejects
+        evidence.append(_reasons_line("rejects by reason", reasons, attempted))
+        if reject_paths:
+            evidence.append("  reject rows (file, line and detail of each): " + ", ".join(reject_paths))
 
     dist = summary.loss_tokens
     short = dist.share_at_most(gate.short_loss_tokens)
@@ -515,12 +694,13 @@ def render_validation_report(summary: ValidationSummary, gate_report: GateReport
         "",
         "## Rejects by reason",
         "",
-        "| reason | count | first example |",
-        "|---|---:|---|",
+        "| reason | count | share of completions | examples |",
+        "|---|---:|---:|---|",
     ]
-    for reason, count in sorted(summary.reject_reasons.items(), key=lambda kv: -kv[1]):
-        example = summary.reject_examples.get(reason, "").replace("|", "\\|").replace("\n", " ")[:120]
-        out.append(f"| {reason} | {count} | {example} |")
+    for reason, count in sorted(summary.reject_reasons.items(), key=lambda kv: (-kv[1], kv[0])):
+        examples = summary.reject_samples.get(reason) or [summary.reject_examples.get(reason, "")]
+        cell = "<br>".join(e.replace("|", "\\|").replace("\n", " ")[:160] for e in examples)
+        out.append(f"| {reason} | {count} | {count / summary.total:.1%} | {cell} |")
     for title, dist in (("Loss tokens per sample", summary.loss_tokens), ("Answer tokens", summary.answer_tokens)):
         out += ["", f"## {title}", ""]
         pct = dist.percentiles()

@@ -25,6 +25,7 @@ __all__ = [
     "RejectStage",
     "TokenRow",
     "prompt_id_for",
+    "prompt_id_from_ids",
 ]
 
 Message = dict[str, str]  # {"role": "system"|"user"|"assistant", "content": str}
@@ -32,9 +33,18 @@ RejectStage = Literal["load", "generate", "validate", "tokenize"]
 
 
 def prompt_id_for(source: str, messages: list[Message]) -> str:
-    """Stable id of a prompt: sha256 over its source label and its messages (24 hex chars)."""
+    """Id of a prompt without a tokenizer: sha256 over its source label and its messages (24 hex chars).
+
+    Runs use `prompt_id_from_ids` (through datagen.prompts.PromptIdentity) whenever the model is at hand.
+    """
     payload = json.dumps([source, [[m["role"], m["content"]] for m in messages]], ensure_ascii=False)
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:24]
+
+
+def prompt_id_from_ids(source: str, token_ids: list[int]) -> str:
+    """Id of a prompt as the model sees it: sha256 over its source label and its rendered token ids."""
+    payload = json.dumps([source, token_ids], separators=(",", ":"))
+    return hashlib.sha256(payload.encode("ascii")).hexdigest()[:24]
 
 
 @dataclass(slots=True)
@@ -43,9 +53,12 @@ class Prompt:
 
     prompt_id: str
     source: str
-    row: int  # 0-based row index in its source, for error messages and lineage
+    row: int  # 0-based row index in its source (rejected rows counted), for lineage; see `location`
     messages: list[Message]
     category: str | None = None
+    # Where the row is, to find it by hand: "file:line" (1-based, blank lines counted) for JSON lines and
+    # JSON lists, "file:row N" for parquet, "dataset[split]:row N" for `datasets` rows (N 0-based).
+    location: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), ensure_ascii=False)
@@ -67,6 +80,7 @@ class Reject:
     prompt_id: str | None = None
     completion_tokens: int | None = None
     request_key: str | None = None  # generation stage: content key, so a rerun knows this request is settled
+    location: str | None = None  # the input row: "file:line", "file:row N" or "dataset[split]:row N" (see Prompt)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), ensure_ascii=False)
@@ -86,6 +100,7 @@ REJECT_SCHEMA = pa.schema(
         pa.field("prompt_id", pa.string()),
         pa.field("completion_tokens", pa.int64()),
         pa.field("request_key", pa.string()),
+        pa.field("location", pa.string()),
     ]
 )
 
@@ -108,6 +123,7 @@ class Completion:
     latency_s: float = 0.0
     category: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    location: str | None = None  # the input row (see Prompt.location)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), ensure_ascii=False)

@@ -39,6 +39,13 @@ class PromptSource(BaseModel):
         None, description="Row field holding a category label (e.g. 'category'), used for mix reports and caps."
     )
     max_rows: int | None = Field(None, ge=1, description="Read at most this many rows from the source.")
+    allow_partial_read: bool = Field(
+        False,
+        description=(
+            "When a JSON list file cannot be read past a syntax error, keep the rows before it and record the "
+            "rows counted after it as 'unreadable_rest' rejects, instead of failing the source."
+        ),
+    )
 
 
 class SamplingSpec(BaseModel):
@@ -65,10 +72,32 @@ class ValidationSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    min_answer_tokens: int = Field(8, ge=0, description="Answers (after </think>) shorter than this are rejected.")
+    min_answer_tokens: int = Field(
+        8,
+        ge=0,
+        description=(
+            "An answer shorter than this is a placeholder when the reasoning is also shorter than "
+            "min_reasoning_tokens (thinking off: on its own). A short answer after real reasoning is kept."
+        ),
+    )
+    min_reasoning_tokens: int = Field(
+        16, ge=0, description="Reasoning shorter than this counts as none for the placeholder check."
+    )
     reject_truncated: bool = Field(True, description="Reject completions cut at max_new_tokens.")
     max_repeated_ngram_share: float = Field(
         0.5, gt=0.0, le=1.0, description="Reject when this share of the completion's 8-grams are repeats (loops)."
+    )
+    min_loop_tokens: int = Field(
+        64, ge=1, description="Back-to-back copies of a block count as a loop only when they span this many tokens."
+    )
+    max_loop_share: float = Field(
+        0.2,
+        gt=0.0,
+        le=1.0,
+        description=(
+            "Reject when back-to-back copies of one block (any block size) span more than this share of the "
+            "completion; a completion that ends in 3 or more copies is rejected at any share."
+        ),
     )
     reject_duplicate_completions: bool = Field(True, description="Reject identical completions for different prompts.")
 

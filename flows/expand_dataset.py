@@ -37,7 +37,7 @@ from datagen.dataset_card import Lineage, write_dataset_card
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.launcher import ServerFleet
 from datagen.layout import RunLayout
-from datagen.runspec import AUTO_NAMESPACE, RunSpec
+from datagen.runspec import AUTO_NAMESPACE, QualityGate, RunSpec
 from datagen.settings import Settings
 from datagen.storage import ObjectStore, s3_preflight
 from tasks import (
@@ -123,8 +123,28 @@ generate_shard_task = task(
     retries=2,
     retry_delay_seconds=[10, 60],
 )(_generate_shard)
+
+
+def _quality_gate(
+    summary: validation.ValidationSummary,
+    gate: QualityGate,
+    upstream_reasons: dict[str, int],
+    reject_paths: list[str],
+    downstream_rejects: int = 0,
+) -> validation.GateReport:
+    report = validation.check_quality_gate(
+        summary, gate, sum(upstream_reasons.values()), downstream_rejects, upstream_reasons, reject_paths
+    )
+    create_markdown_artifact(
+        markdown=validation.render_validation_report(summary, report), key="validation-report", description="Validation"
+    )
+    report.raise_if_failed()  # inside the task: the gate itself is the red task, its report the message
+    return report
+
+
 validate_task = task(name="validate", cache_policy=NO_CACHE)(validation.validate_shards)
-gate_task = task(name="quality gate", cache_policy=NO_CACHE)(validation.check_quality_gate)
+load_gate_task = task(name="quality gate on load rejects", cache_policy=NO_CACHE)(planning.check_plan)
+gate_task = task(name="quality gate", cache_policy=NO_CACHE)(_quality_gate)
 tokenize_task = task(name="tokenize", cache_policy=NO_CACHE)(tokenization.tokenize_accepted)
 publish_task = task(name="publish", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)(publishing.publish)
 import_pilot_task = task(name="reuse pilot completions", cache_policy=NO_CACHE)(pilot.import_pilot)
@@ -148,19 +168,13 @@ def finish_dataset(
         spec.validation,
         spec.sampling.enable_thinking,
     )
-    upstream_rejects = n_load_rejects + sum(r.n_rejected for r in shard_results)
-    gate = gate_task(summary, spec.quality_gate, upstream_rejects)
-    create_markdown_artifact(
-        markdown=validation.render_validation_report(summary, gate), key="validation-report", description="Validation"
-    )
-    if not gate.passed:
-        raise validation.QualityGateError(gate.text)
-
     reject_paths = [
         layout.load_rejects,
         *(Path(r.rejects_path) for r in shard_results),
         *(Path(p) for p in summary.reject_paths),
     ]
+    upstream_reasons = validation.count_reject_reasons(reject_paths[: 1 + len(shard_results)])
+    gate_task(summary, spec.quality_gate, upstream_reasons, [str(p) for p in reject_paths])
     tokenized = tokenize_task(
         [Path(p) for p in summary.accepted_paths],
         layout.staging_dir,
@@ -169,9 +183,12 @@ def finish_dataset(
         extra_reject_paths=reject_paths,
     )
     # Rows can still fail the token round-trip check: the gate sees the final counts before anything ships.
-    final_gate = gate_task(summary, spec.quality_gate, upstream_rejects, tokenized.tokenize_rejected)
-    if not final_gate.passed:
-        raise validation.QualityGateError(final_gate.text)
+    published_rejects = [str(layout.staging_dir / f) for f in tokenized.reject_files]
+    final = gate_task(summary, spec.quality_gate, upstream_reasons, published_rejects, tokenized.tokenize_rejected)
+    # Published with the data: each reject reason's share and example rows, and the gate that passed.
+    (layout.staging_dir / validation.REPORT_NAME).write_text(
+        validation.render_validation_report(summary, final), encoding="utf-8"
+    )
     write_dataset_card(
         layout.staging_dir,
         namespace=spec.namespace,
@@ -231,9 +248,17 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         create_markdown_artifact(
             markdown="# Selection\n\n```json\n" + selection.model_dump_json(indent=1) + "\n```\n", key="selection"
         )
+    load_gate_task(plan, spec.quality_gate, layout)  # bad input fails here, before any server starts
     if plan.n_prompts == 0:
         logger.info("nothing new to generate in namespace %s: nothing is published", spec.namespace)
-        return {"uri": None, "namespace": spec.namespace, "prompts": 0, "skipped_published": len(skip)}
+        return {
+            "uri": None,
+            "namespace": spec.namespace,
+            "prompts": 0,
+            "rows_read": plan.n_rows,
+            "skipped_published": len(skip),
+            "reason": f"nothing new to generate: {plan.n_rows} rows read, {len(skip)} prompt ids published before",
+        }
     if spec.pilot:
         reused = import_pilot_task(RunLayout.for_run(settings.work_dir, spec.pilot), layout, plan, spec, chat)
         logger.info("reused %d completions of pilot %s", reused.imported_completions, spec.pilot)

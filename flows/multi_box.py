@@ -45,7 +45,7 @@ from datagen.records import Prompt
 from datagen.runspec import ExchangeSpec, MultiBoxSpec, RunSpec
 from datagen.settings import Settings
 from datagen.storage import ObjectStore, s3_preflight
-from flows.expand_dataset import check_environment_task, finish_dataset, plan_task, publish_task
+from flows.expand_dataset import check_environment_task, finish_dataset, load_gate_task, plan_task, publish_task
 from tasks import generation, provisioning
 from tasks.planning import ShardPlan
 from tasks.shard_exchange import CheckpointSync, CollectedShard, Lease, ShardExchange, ShardExchangeError
@@ -293,6 +293,7 @@ def expand_dataset_multibox(
     preflight_task(store, spec.namespace)
     chat = ChatTokenizer.from_model_dir(spec.model_path)
     plan = plan_task(spec, layout)
+    load_gate_task(plan, spec.quality_gate, layout)  # bad input fails here, before any box starts a server
     publish_plan_task(exchange, plan, layout)
     logger.info("planned %d prompts in %d shards for boxes %s", plan.n_prompts, len(plan.shard_ids), boxes.boxes)
 

@@ -172,11 +172,18 @@ def _reject(prompt: Prompt, key: str, reason: str, detail: str) -> Reject:
         row=prompt.row,
         prompt_id=prompt.prompt_id,
         request_key=key,
+        location=prompt.location,
     )
 
 
-def _completion(prompt: Prompt, key: str, sent_tokens: int, result: GenerateResult) -> Completion:
-    meta: dict[str, Any] = {"rid": result.rid, "finish": result.finish_detail, "e2e_latency": result.e2e_latency}
+def _completion(prompt: Prompt, key: str, sent_tokens: int, result: GenerateResult, plan_index: int) -> Completion:
+    # plan_index: the prompt's line in its shard, so validation can follow plan order, not finish order.
+    meta: dict[str, Any] = {
+        "rid": result.rid,
+        "finish": result.finish_detail,
+        "e2e_latency": result.e2e_latency,
+        "plan_index": plan_index,
+    }
     if result.prompt_tokens != sent_tokens:
         meta["server_prompt_tokens"] = result.prompt_tokens
     return Completion(
@@ -194,6 +201,7 @@ def _completion(prompt: Prompt, key: str, sent_tokens: int, result: GenerateResu
         latency_s=round(result.latency_s, 3),
         category=prompt.category,
         meta=meta,
+        location=prompt.location,
     )
 
 
@@ -264,7 +272,7 @@ def generate_shard(
     limit = spec.prompt_token_limit
     # Keep about one box's worth in flight per shard: enough to fill the servers alone, bounded in memory.
     window = max(1, dispatcher.total_target)
-    inflight: dict[concurrent.futures.Future[GenerateResult], tuple[Prompt, str, int]] = {}
+    inflight: dict[concurrent.futures.Future[GenerateResult], tuple[Prompt, str, int, int]] = {}
     failures: list[BaseException] = []
     n_sent = 0
     seen: set[str] = set()
@@ -273,7 +281,7 @@ def generate_shard(
     def harvest(timeout: float | None) -> None:
         finished, _ = concurrent.futures.wait(inflight, timeout=timeout, return_when="FIRST_COMPLETED")
         for fut in finished:
-            prompt, key, sent = inflight.pop(fut)
+            prompt, key, sent, plan_index = inflight.pop(fut)
             try:
                 result = fut.result()
             except RequestRejected as exc:
@@ -283,7 +291,7 @@ def generate_shard(
             except Exception as exc:  # not about this prompt: left unsettled so a shard retry resends it
                 failures.append(exc)
             else:
-                completions.write(_completion(prompt, key, sent, result).to_json())
+                completions.write(_completion(prompt, key, sent, result, plan_index).to_json())
         completions.sync_if_due()
         rejects.sync_if_due()
 
@@ -293,6 +301,11 @@ def generate_shard(
             if key in settled or key in seen:
                 continue
             seen.add(key)
+            chars = chat.surely_over(prompt.messages, limit)
+            if chars is not None:  # told by its length alone: a huge row is never tokenized
+                detail = f"{chars} characters of content cannot fit in {limit} prompt tokens; not tokenized"
+                rejects.write(_reject(prompt, key, "prompt_too_long", detail).to_json())
+                continue
             try:
                 ids = chat.prompt_ids(prompt.messages, spec.sampling.enable_thinking)
             except TemplateError as exc:
@@ -306,7 +319,7 @@ def generate_shard(
                 rejects.write(_reject(prompt, key, "prompt_too_long", detail).to_json())
                 continue
             job = GenerateJob(ids, sampling, label=prompt.prompt_id, order=(shard_id, row))  # the plan's order
-            inflight[dispatcher.submit(job)] = (prompt, key, len(ids))
+            inflight[dispatcher.submit(job)] = (prompt, key, len(ids), row)
             n_sent += 1
             while len(inflight) >= window:
                 harvest(flush_interval_s)

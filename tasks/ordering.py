@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.prompts import iter_prompts
+from datagen.prompts import PromptIdentity, iter_prompts
 from datagen.records import Prompt, Reject
 from datagen.runspec import RunSpec
 from tasks.selection import Items, PromptFilter, SelectionReport, choose, filtered
@@ -202,7 +202,11 @@ def run_filter(
     report: SelectionReport | None = None
     if spec.source_targets or spec.category_targets:
         selection, report = choose(
-            iter_prompts(spec.sources, base_dir), skip, spec.source_targets, spec.category_targets, spec.selection_seed
+            iter_prompts(spec.sources, base_dir, PromptIdentity.for_spec(spec)),
+            skip,
+            spec.source_targets,
+            spec.category_targets,
+            spec.selection_seed,
         )
         keep = filtered(selection.keeps)
     elif skip:

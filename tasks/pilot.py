@@ -33,7 +33,7 @@ from datagen.chat import ChatTokenizer
 from datagen.endpoints import ServerEndpoint
 from datagen.engine.dispatcher import Dispatcher
 from datagen.layout import RunLayout
-from datagen.prompts import iter_prompts
+from datagen.prompts import PromptIdentity, iter_prompts
 from datagen.quality import ValidationSummary
 from datagen.records import Prompt
 from datagen.runspec import RunSpec
@@ -104,11 +104,20 @@ def plan_pilot(
     spec: RunSpec, pilot: PilotSpec, layout: RunLayout, skip: Collection[str], base_dir: Path | None = None
 ) -> tuple[ShardPlan, PilotPopulation]:
     """Draw the pilot's sample from what the main run would take (same skips and targets) and plan it."""
+    identity = PromptIdentity.for_spec(spec)  # the main run's ids, so its plan finds the pilot's completions
     selection, report = choose(
-        iter_prompts(spec.sources, base_dir), skip, spec.source_targets, spec.category_targets, spec.selection_seed
+        iter_prompts(spec.sources, base_dir, identity),
+        skip,
+        spec.source_targets,
+        spec.category_targets,
+        spec.selection_seed,
     )
     sample, population, allocated = stratified_sample(
-        iter_prompts(spec.sources, base_dir), selection.keeps, pilot.sample_size, pilot.seed, pilot.min_per_source
+        iter_prompts(spec.sources, base_dir, identity),
+        selection.keeps,
+        pilot.sample_size,
+        pilot.seed,
+        pilot.min_per_source,
     )
     n = len(sample)
     pilot_spec = spec.model_copy(update={"shard_size": max(1, math.ceil(n / pilot.shards))})

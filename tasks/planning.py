@@ -21,11 +21,12 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.layout import RunLayout
-from datagen.prompts import iter_prompts
+from datagen.prompts import PromptIdentity, iter_prompts
+from datagen.quality import GateReport, check_load_gate
 from datagen.records import Prompt, Reject
-from datagen.runspec import RunSpec
+from datagen.runspec import QualityGate, RunSpec
 
-__all__ = ["ShardEntry", "ShardPlan", "plan_manifest_path", "plan_shards", "read_plan"]
+__all__ = ["ShardEntry", "ShardPlan", "check_plan", "plan_manifest_path", "plan_shards", "read_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,8 @@ def plan_shards(
     tasks.ordering); shards are written in the order it yields, which is the dispatch order.
     """
     # Resolves every source first: a config error raises here, before any file is touched.
-    items = iter_prompts(spec.sources, base_dir)
+    # Prompt ids follow the rendered token ids under the model's template (see PromptIdentity).
+    items = iter_prompts(spec.sources, base_dir, PromptIdentity.for_spec(spec))
     if select is not None:
         items = select(items)
     layout.shards_dir.mkdir(parents=True, exist_ok=True)
@@ -163,6 +165,13 @@ def plan_shards(
         invalidate.changed,
     )
     return plan
+
+
+def check_plan(plan: ShardPlan, gate: QualityGate, layout: RunLayout) -> GateReport:
+    """The gate on load rejects alone; raises QualityGateError (reasons, counts, reject file) when it fails."""
+    report = check_load_gate(plan.n_rows, plan.n_prompts, plan.load_rejects_by_reason, gate, str(layout.load_rejects))
+    report.raise_if_failed()
+    return report
 
 
 def read_plan(layout: RunLayout, verify: bool = True) -> ShardPlan | None:

@@ -131,10 +131,11 @@ def build_rerendered(c: Completion, chat: ChatTokenizer, enable_thinking: bool) 
     Where it differs: (1) the model emitted a non-canonical split (e.g. "\\n" "\\n" as 198 198 where BPE
     gives 271 "\\n\\n"): re-encoding silently replaces the model's real tokens; (2) the template
     normalizes whitespace (strips newlines around the reasoning, re-inserts "\\n\\n" after `</think>`), so
-    the text trained on is not the text generated; (3) BPE merges across the prompt/completion boundary
-    (thinking off, an answer opening with "\\n" joins the prompt's "\\n\\n" into one token), so the loss
-    span starts inside a prompt token. Token-exact has none of these; rerender exists to compare with
-    the old scripts' behaviour and for sources without output ids.
+    the text trained on is not the text generated (the Qwen3 family trims content, so an answer opening
+    with "\\n" loses it); (3) with a template that does not trim, BPE can merge across the prompt/completion
+    boundary (the prompt's "\\n\\n" and an answer's leading "\\n" into one token), so the loss span starts
+    inside a prompt token. Token-exact has none of these; rerender exists to compare with the old
+    scripts' behaviour and for sources without output ids.
     """
     if c.finish_reason != "stop":
         raise RowRejected("rerender_unsupported", f"finish_reason={c.finish_reason!r}: no complete turn to render")
@@ -362,7 +363,16 @@ def tokenize_accepted(
         for c, result in zip(completions, built, strict=True):
             if isinstance(result, RowRejected):
                 reject(
-                    Reject("tokenize", result.reason, result.detail, c.source, c.row, c.prompt_id, len(c.output_ids))
+                    Reject(
+                        "tokenize",
+                        result.reason,
+                        result.detail,
+                        c.source,
+                        c.row,
+                        c.prompt_id,
+                        len(c.output_ids),
+                        location=c.location,
+                    )
                 )
             else:
                 rows.append(result)

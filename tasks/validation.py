@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,12 +32,15 @@ from datagen.runspec import ValidationSpec
 
 # The gate and the report are re-exported so the flow finds the whole validation stage here.
 __all__ = [
+    "REPORT_NAME",
     "SUMMARY_NAME",
     "GateReport",
     "MalformedRecord",
     "QualityGateError",
     "ValidationSummary",
     "check_quality_gate",
+    "count_reject_reasons",
+    "iter_in_plan_order",
     "iter_jsonl_completions",
     "render_validation_report",
     "shard_stem",
@@ -44,6 +48,7 @@ __all__ = [
 ]
 
 SUMMARY_NAME = "validation-summary.json"
+REPORT_NAME = "validation-report.md"  # published beside the data (flows/expand_dataset.py)
 
 # Fields a checkpoint line must carry with these types; anything else is a malformed record, not a crash.
 _REQUIRED: dict[str, type | tuple[type, ...]] = {
@@ -98,6 +103,50 @@ def iter_jsonl_completions(path: Path) -> Iterator[tuple[int, Completion | Malfo
                 yield lineno, exc
 
 
+# The plan position generation records in `meta`; a key of the record, never text inside a JSON string
+# (where its quotes would be escaped).
+_PLAN_INDEX_RE = re.compile(rb'[{,] ?"plan_index": ?(\d+)')
+
+
+def iter_in_plan_order(path: Path) -> Iterator[tuple[int, Completion | MalformedRecord]]:
+    """Like iter_jsonl_completions, but in the shard's plan order (meta.plan_index), not the order they finished.
+
+    Two passes over the file: offsets and plan positions first (a few bytes per line), then the lines in
+    order; lines without a plan position keep their file order after the others.
+    """
+    index: list[tuple[int, int, int, int]] = []  # (plan position, line number, offset, length)
+    with path.open("rb") as f:
+        offset = 0
+        for lineno, raw in enumerate(f, 1):
+            if raw.strip():
+                found = _PLAN_INDEX_RE.findall(raw)
+                index.append((int(found[-1]) if found else 1 << 62, lineno, offset, len(raw)))
+            offset += len(raw)
+        index.sort()
+        for _, lineno, start, size in index:
+            f.seek(start)
+            line = f.read(size).decode("utf-8")
+            try:
+                yield lineno, _parse(line)
+            except MalformedRecord as exc:
+                yield lineno, exc
+
+
+def count_reject_reasons(paths: list[Path]) -> dict[str, int]:
+    """'stage/reason' -> rows over reject JSONL files (a missing file holds none)."""
+    counts: dict[str, int] = {}
+    for path in paths:
+        if not path.is_file():
+            continue
+        with path.open(encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    r = Reject.from_json(line)
+                    key = f"{r.stage}/{r.reason}"
+                    counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
 def shard_stem(path: Path) -> str:
     """`shard-00003` for `shard-00003.completions.jsonl` (output names follow their input's)."""
     name = path.name
@@ -127,6 +176,7 @@ def _reject(c: Completion, v: Verdict) -> Reject:
         row=c.row,
         prompt_id=c.prompt_id,
         completion_tokens=len(c.output_ids),
+        location=c.location,
     )
 
 
@@ -141,6 +191,7 @@ def _malformed(path: Path, lineno: int, err: MalformedRecord) -> Reject:
         source=str(raw.get("source") or path.name),
         row=row if isinstance(row, int) else None,
         prompt_id=prompt_id if isinstance(prompt_id, str) else None,
+        location=raw["location"] if isinstance(raw.get("location"), str) else None,
     )
 
 
@@ -162,7 +213,8 @@ def validate_shards(
         accepted_path = out_dir / f"{stem}.accepted.jsonl"
         rejects_path = out_dir / f"{stem}.rejects.jsonl"
         with _atomic_text(accepted_path) as acc, _atomic_text(rejects_path) as rej:
-            for lineno, item in iter_jsonl_completions(path):
+            # Plan order, whatever finished first: the copy kept of a duplicate is the one planned first.
+            for lineno, item in iter_in_plan_order(path):
                 if isinstance(item, MalformedRecord):
                     r = _malformed(path, lineno, item)
                     builder.reject(r)

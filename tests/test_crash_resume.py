@@ -28,7 +28,7 @@ from datasets import load_dataset
 
 from datagen.localstack import LocalS3
 from datagen.model_fixture import ensure_model_dir
-from datagen.records import prompt_id_for
+from datagen.prompts import PromptIdentity
 from datagen.runspec import PromptSource, QualityGate, RunSpec, SamplingSpec
 from datagen.storage import ObjectStore
 
@@ -271,7 +271,9 @@ def test_sigkill_mid_generation_then_rerun_yields_every_prompt_once(local_s3: Lo
     reject_files = sorted(str(p) for p in (local / NAMESPACE / "rejects").glob("*.parquet"))
     shipped = list(load_dataset("parquet", data_files=data_files)["train"]["prompt_id"])
     rejected = list(load_dataset("parquet", data_files=reject_files)["train"]["prompt_id"]) if reject_files else []
-    expected = {prompt_id_for(prompts.stem, _messages(i)) for i in range(N_PROMPTS)}
+    identity = PromptIdentity.for_spec(spec)  # ids follow the rendered tokens
+    assert identity is not None
+    expected = {identity(prompts.stem, _messages(i)) for i in range(N_PROMPTS)}
     everything = shipped + rejected
     assert len(everything) == len(set(everything)) == N_PROMPTS, "a prompt is duplicated or missing"
     assert set(everything) == expected

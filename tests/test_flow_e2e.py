@@ -15,7 +15,8 @@ from pydantic import SecretStr
 from datagen.chat import ChatTokenizer
 from datagen.localstack import LocalS3
 from datagen.model_fixture import ensure_model_dir
-from datagen.records import Message, prompt_id_for
+from datagen.prompts import PromptIdentity
+from datagen.records import Message
 from datagen.runspec import PromptSource, QualityGate, RunSpec, SamplingSpec
 from datagen.storage import ObjectStore
 from flows.expand_dataset import expand_dataset, publish_task
@@ -112,6 +113,8 @@ def test_flow_publishes_token_exact_dataset_and_never_overwrites(
     assert report["uri"] == store.uri("e2e_v1/")
     keys = {o.key for o in store.list("e2e_v1/")}
     assert "e2e_v1/manifest.json" in keys and "e2e_v1/README.md" in keys
+    md = store.get_bytes("e2e_v1/validation-report.md").decode()  # each reason's share and examples
+    assert "**PASSED**: quality gate" in md and "| reason | count | share of completions | examples |" in md
     manifest = json.loads(store.get_bytes("e2e_v1/manifest.json"))
     listed = [o["key"] for o in manifest["objects"]]
     assert len(listed) == len(set(listed)) == len(keys) - 1  # every object but the manifest, exactly once
@@ -132,9 +135,12 @@ def test_flow_publishes_token_exact_dataset_and_never_overwrites(
     load_rejects = [r for r in rejects if r["stage"] == "load"]
     assert sorted(r["row"] for r in load_rejects) == [12, 20]
     assert all("mixed.jsonl" in r["detail"] for r in load_rejects)
+    assert sorted(r["location"] for r in load_rejects) == [f"{prompt_file}:13", f"{prompt_file}:21"]
 
     source = "mixed"
-    expected = {prompt_id_for(source, _expected_messages(r)): _expected_messages(r) for r in GOOD_ROWS}
+    identity = PromptIdentity.for_spec(spec)  # ids follow the rendered tokens
+    assert identity is not None
+    expected = {identity(source, _expected_messages(r)): _expected_messages(r) for r in GOOD_ROWS}
     shipped = [r["prompt_id"] for r in data]
     rejected_later = [r["prompt_id"] for r in rejects if r["stage"] != "load"]
     assert len(shipped) == len(set(shipped))  # one row per accepted prompt

@@ -25,7 +25,8 @@ import pytest
 
 from datagen.localstack import LocalS3
 from datagen.model_fixture import ensure_model_dir
-from datagen.records import prompt_id_for
+from datagen.prompts import PromptIdentity
+from datagen.runspec import RunSpec
 from datagen.storage import ObjectStore
 from tasks.shard_exchange import ShardExchange
 from tests.prefect_fixtures import (
@@ -206,8 +207,10 @@ def test_two_boxes_share_a_run_and_a_killed_box_loses_nothing(
     rejects = [pq.read_table(io.BytesIO(store.get_bytes(k))) for k in keys if k.startswith(f"{NAMESPACE}/rejects/")]
     shipped = [pid for t in data for pid in t.column("prompt_id").to_pylist()]
     rejected = [pid for t in rejects for pid in t.column("prompt_id").to_pylist()]
+    identity = PromptIdentity.for_spec(RunSpec.model_validate(spec))  # ids follow the rendered tokens
+    assert identity is not None
     expected = {
-        prompt_id_for("prompts", [{"role": "user", "content": f"Question {i}: explain idea {i} briefly."}])
+        identity("prompts", [{"role": "user", "content": f"Question {i}: explain idea {i} briefly."}])
         for i in range(N_PROMPTS)
     }
     assert len(shipped) == len(set(shipped))

@@ -190,3 +190,85 @@ def test_bundled_set_plans_with_default_sources(tmp_path: Path) -> None:
     assert len(plan.prompts_by_source) == 4
     assert plan.shard_ids == list(range((plan.n_prompts + 99) // 100))
     assert os.path.getsize(layout.load_rejects) == 0
+
+
+# ------------------------------------------------------------- identity from the rendered tokens (#13.5, #13.7)
+
+
+def _model_spec(path: Path, **kw: object) -> RunSpec:
+    from datagen.model_fixture import ensure_model_dir
+
+    return RunSpec(
+        sources=[PromptSource(path=str(path))],
+        model_path=str(ensure_model_dir()),
+        shard_size=10,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def _prompts(layout: RunLayout, plan: ShardPlan) -> list[Prompt]:
+    return [
+        Prompt.from_json(line)
+        for sid in plan.shard_ids
+        for line in layout.shard_prompts(sid).read_text(encoding="utf-8").splitlines()
+    ]
+
+
+def test_prompts_differing_only_in_whitespace_are_one_prompt_the_first_kept(tmp_path: Path) -> None:
+    # Issue 13.5: whitespace variants got different ids though the template renders them to the same tokens.
+    from datagen.chat import ChatTokenizer
+    from datagen.records import prompt_id_from_ids
+
+    f = tmp_path / "ws.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": "Explain tides."}]},
+        {"messages": [{"role": "user", "content": "  Explain tides.\n"}]},
+        {"messages": [{"role": "system", "content": "Be brief. "}, {"role": "user", "content": "Explain tides."}]},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "\tExplain tides."}]},
+        {"messages": [{"role": "user", "content": "Explain  tides."}]},  # inner whitespace is rendered: new prompt
+    ]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    spec = _model_spec(f)
+    layout = RunLayout(tmp_path / "run")
+    plan = plan_shards(spec, layout)
+    prompts = _prompts(layout, plan)
+    assert [p.row for p in prompts] == [0, 2, 4]
+    rejects = [Reject.from_json(line) for line in layout.load_rejects.read_text().splitlines()]
+    assert [(r.reason, r.row, r.prompt_id) for r in rejects] == [
+        ("duplicate_prompt", 1, prompts[0].prompt_id),
+        ("duplicate_prompt", 3, prompts[1].prompt_id),
+    ]
+    chat = ChatTokenizer.from_model_dir(spec.model_path)
+    for p in prompts:  # the id is what the model sees: the token ids apply_chat_template gives
+        assert p.prompt_id == prompt_id_from_ids("ws", chat.prompt_ids(p.messages))
+
+
+def test_huge_row_is_rejected_as_too_long_without_being_tokenized(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 13.7: a 50 MB line took 57 s and 6.9 GB to tokenize before it was rejected as too long.
+    from datagen.chat import ChatTokenizer
+    from datagen.runspec import SamplingSpec
+
+    f = tmp_path / "huge.jsonl"
+    big = "word " * 1_000_000  # 5 MB of content
+    f.write_text(
+        json.dumps({"instruction": "short one"}) + "\n" + json.dumps({"instruction": big}) + "\n", encoding="utf-8"
+    )
+    encoded: list[int] = []
+    real_encode = ChatTokenizer.encode
+
+    def spy(self: ChatTokenizer, text: str) -> list[int]:
+        encoded.append(len(text))
+        return real_encode(self, text)
+
+    monkeypatch.setattr(ChatTokenizer, "encode", spy)
+    spec = _model_spec(f, context_length=8192, sampling=SamplingSpec(max_new_tokens=4096))
+    layout = RunLayout(tmp_path / "run")
+    plan = plan_shards(spec, layout)
+    assert plan.n_prompts == 1 and plan.load_rejects_by_reason == {"prompt_too_long": 1}
+    [reject] = [Reject.from_json(line) for line in layout.load_rejects.read_text().splitlines()]
+    assert (reject.row, reject.location) == (1, f"{f}:2")
+    assert "4999999 characters of content cannot fit in 4096 prompt tokens" in reject.detail
+    assert "without tokenizing" in reject.detail
+    assert max(encoded) < 1000  # only the short row was ever tokenized

@@ -221,16 +221,80 @@ def test_json_list_reports_line_of_each_bad_row(tmp_path: Path) -> None:
     ]
 
 
-def test_broken_json_list_keeps_rows_before_the_break(tmp_path: Path) -> None:
+def test_broken_json_list_row_is_one_reject_and_rows_after_it_survive(tmp_path: Path) -> None:
+    # Issue 13.1: a syntax error inside one element used to end the file there, dropping every later row.
     f = tmp_path / "broken.json"
-    f.write_text('[\n{"instruction": "a"},\n{"instruction": "b"},\n{"instruction": "c" oops},\n{"x": 1}\n]\n')
+    f.write_text(
+        '[\n{"instruction": "a"},\n{"instruction": "b"},\n{"instruction": "c" oops},\n'
+        '{"instruction": "d", "input": "[{,"},\n{"instruction": "unterminated},\n{"instruction": "e"}\n]\n'
+    )
     prompts, rejects = load(f)
-    assert [p.messages[0]["content"] for p in prompts] == ["a", "b"]
-    assert len(rejects) == 1
-    assert rejects[0].reason == "invalid_json"
-    assert rejects[0].row == 2
-    assert rejects[0].detail.startswith(f"{f}:4: invalid JSON at line 4:")
-    assert rejects[0].detail.endswith("the rest of the file cannot be read")
+    assert [(p.messages[0]["content"], p.row) for p in prompts] == [("a", 0), ("b", 1), ("d\n\n[{,", 3), ("e", 5)]
+    assert [(r.reason, r.row, r.detail.split(": ")[0]) for r in rejects] == [
+        ("invalid_json", 2, f"{f}:4"),
+        ("invalid_json", 4, f"{f}:6"),
+    ]
+    assert "invalid JSON at line 4" in rejects[0].detail
+
+
+def test_json_list_missing_comma_between_rows_loses_nothing(tmp_path: Path) -> None:
+    f = tmp_path / "nocomma.json"
+    f.write_text('[{"instruction": "a"} {"instruction": "b"}, {"instruction": "c"}]')
+    prompts, rejects = load(f)
+    assert [p.messages[0]["content"] for p in prompts] == ["a", "b", "c"]
+    assert rejects == []
+
+
+def test_json_list_unreadable_past_a_point_fails_loudly_with_rows_lost(tmp_path: Path) -> None:
+    # One line, a quote missing: nothing after it can be told apart, so the source fails unless partial reads
+    # are allowed, and then every row counted in the unreadable rest is a reject (the gate counts them).
+    f = tmp_path / "minified.json"
+    f.write_text('[{"instruction": "a"}, {"instruction": "b}, {"instruction": "c"}, {"instruction": "d"}, {"x": 1')
+    with pytest.raises(
+        PromptSourceError, match=r"minified\.json:1: .*at least 1 row\(s\).*1 row\(s\) read before.*partial"
+    ):
+        load(f)
+    prompts, rejects = load(f, allow_partial_read=True)
+    assert [p.messages[0]["content"] for p in prompts] == ["a"]
+    assert [(r.reason, r.row) for r in rejects] == [("unreadable_rest", 1)]
+    assert rejects[0].detail.startswith(f"{f}:1: invalid JSON at line 1")
+
+
+def test_truncated_json_list_fails_loudly(tmp_path: Path) -> None:
+    f = tmp_path / "cut.json"
+    f.write_text('[\n{"instruction": "a"},\n{"instruction": "b"},\n{"instruction": "c", "inp')
+    with pytest.raises(PromptSourceError, match=r"cut\.json:4: .*at least 1 row\(s\).*2 row\(s\) read before"):
+        load(f)
+
+
+def test_empty_or_blank_system_prompt_is_kept_as_given(tmp_path: Path) -> None:
+    # Issue 13.6: the loader dropped an empty system prompt, so the prompt differed from apply_chat_template.
+    from datagen.chat import ChatTokenizer
+    from datagen.model_fixture import ensure_model_dir
+
+    f = write_jsonl(
+        tmp_path / "sys.jsonl",
+        [
+            oa(("system", ""), ("user", "Question one")),
+            sg(("system", "  \n"), ("human", "Question two")),
+            {"instruction": "Question three", "system": ""},
+            {"instruction": "Question four"},
+        ],
+    )
+    prompts, rejects = load(f)
+    assert rejects == []
+    given = [
+        [{"role": "system", "content": ""}, {"role": "user", "content": "Question one"}],
+        [{"role": "system", "content": "  \n"}, {"role": "user", "content": "Question two"}],
+        [{"role": "system", "content": ""}, {"role": "user", "content": "Question three"}],
+        [{"role": "user", "content": "Question four"}],
+    ]
+    assert [p.messages for p in prompts] == given
+    chat = ChatTokenizer.from_model_dir(ensure_model_dir())
+    hf = chat._hf  # the reference: transformers' own apply_chat_template on the messages as given
+    for p, messages in zip(prompts, given, strict=True):
+        reference = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        assert chat.prompt_ids(p.messages) == reference["input_ids"]
 
 
 def test_json_list_trailing_garbage_is_reported(tmp_path: Path) -> None:
@@ -278,6 +342,21 @@ def test_category_field(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- files, dirs, datasets
+
+
+def test_every_prompt_and_reject_names_its_file_and_line(tmp_path: Path) -> None:
+    # Issue 13.8: later stages only had a 0-based row that skips blank lines; now every row carries its location.
+    f = tmp_path / "gaps.jsonl"
+    f.write_text('\n{"instruction": "one"}\n\n\n{"instruction": 2}\n\n{"instruction": "three"}\n')
+    prompts, rejects = load(f)
+    assert [(p.row, p.location) for p in prompts] == [(0, f"{f}:2"), (2, f"{f}:7")]
+    assert [(r.row, r.location) for r in rejects] == [(1, f"{f}:5")]
+    table = tmp_path / "t.parquet"
+    pq.write_table(pa.Table.from_pylist([{"instruction": "a"}, {"instruction": "b"}]), table)
+    assert [p.location for p in load(table)[0]] == [f"{table}:row 0", f"{table}:row 1"]
+    listed = tmp_path / "l.json"
+    listed.write_text('[\n  {"instruction": "a"},\n\n  {"instruction": "b"}\n]')
+    assert [p.location for p in load(listed)[0]] == [f"{listed}:2", f"{listed}:4"]
 
 
 def test_parquet_file(tmp_path: Path) -> None:
@@ -437,7 +516,7 @@ def test_duplicates_within_a_source_are_rejected_across_sources_kept(tmp_path: P
     assert isinstance(dup, Reject) and isinstance(items[0], Prompt) and isinstance(items[3], Prompt)
     assert dup.reason == "duplicate_prompt"
     assert dup.prompt_id == items[0].prompt_id
-    assert dup.detail.startswith(f"{a}:3: same conversation as an earlier row of source 'a'")
+    assert dup.detail.startswith(f"{a}:3: same prompt as an earlier row of source 'a'")
     assert items[3].prompt_id != items[0].prompt_id  # different source, different id
 
 

@@ -12,6 +12,7 @@ from datagen.quality import (
     QualityGateError,
     TokenDistribution,
     ValidationSummary,
+    check_load_gate,
     check_quality_gate,
     render_validation_report,
 )
@@ -101,7 +102,7 @@ def test_placeholder_set_through_validation_trips_the_gate_either_way(chat: Chat
     strict = validate_shards([shard], tmp_path / "strict", ValidationSpec(), enable_thinking=False)
     report = check_quality_gate(strict, GATE)
     assert [c.name for c in report.failures] == ["reject_rate"]
-    assert "short_answer=87" in report.text
+    assert "validate/placeholder=87 (87.0%)" in report.text
     # Identical placeholders are also duplicates; with both per-sample checks off the distribution still stops it.
     lax_spec = ValidationSpec(min_answer_tokens=0, reject_duplicate_completions=False)
     lax = validate_shards([shard], tmp_path / "lax", lax_spec, enable_thinking=False)
@@ -134,13 +135,51 @@ def test_reject_rate_counts_upstream_and_downstream_rejects() -> None:
     report = check_quality_gate(s, GATE, upstream_rejects=25, downstream_rejects=1)
     assert [c.name for c in report.failures] == ["reject_rate"]
     assert "26/125 rejected" in report.text
-    assert "load/generate=25, tokenize=1" in report.text
+    assert "load+generate (reasons not given)=25 (20.0%), tokenize=1 (0.8%)" in report.text
+
+
+def test_reject_rate_evidence_names_upstream_reasons_and_reject_files() -> None:
+    # Issue 13.3: reasons by name, not `load/generate=11`, and where the rows are.
+    s = summary_of({800: 100}, {"a": 100})
+    upstream = {"load/unknown_format": 20, "load/invalid_json": 5, "generate/prompt_too_long": 6}
+    report = check_quality_gate(s, GATE, 31, upstream_reasons=upstream, reject_paths=["/w/load-rejects.jsonl"])
+    assert not report.passed
+    assert "load/unknown_format=20 (15.3%), generate/prompt_too_long=6 (4.6%), load/invalid_json=5" in report.text
+    assert "load/generate" not in report.text
+    assert "/w/load-rejects.jsonl" in report.text
+
+
+def test_load_gate_fails_before_generation_with_reasons_counts_and_file() -> None:
+    # Issue 13.2/13.3: every row rejected, or too many, fails on the plan alone.
+    all_bad = check_load_gate(12, 0, {"unknown_format": 10, "missing_field": 2}, GATE, "/w/load-rejects.jsonl")
+    assert not all_bad.passed
+    assert [c.name for c in all_bad.failures] == ["usable_prompts", "load_reject_rate"]
+    assert "all 12 rows read were rejected at load" in all_bad.text
+    assert "unknown_format=10 (83.3%), missing_field=2 (16.7%)" in all_bad.text
+    assert "/w/load-rejects.jsonl" in all_bad.text
+    quarter = check_load_gate(40, 30, {"invalid_json": 10}, GATE, "/w/r.jsonl")
+    assert [c.name for c in quarter.failures] == ["load_reject_rate"]
+    assert "10/40 rows rejected at load = 25.0%" in quarter.text
+    assert check_load_gate(40, 35, {"invalid_json": 5}, GATE, "/w/r.jsonl").passed
+    assert check_load_gate(0, 0, {}, GATE, "/w/r.jsonl").passed  # nothing new to read is not bad input
 
 
 def test_empty_dataset_fails() -> None:
     report = check_quality_gate(ValidationSummary(total=5, rejected=5, reject_reasons={"truncated": 5}), GATE)
     assert not report.passed
     assert "no accepted samples out of 5" in report.text
+
+
+def test_report_gives_each_reasons_share_and_a_few_examples(chat: ChatTokenizer, tmp_path: Path) -> None:
+    # Issue 13.4: the report shows the share of each reason and up to three example rows per reason.
+    shard = _placeholder_shard(chat, tmp_path / "shard-00000.completions.jsonl", 20, 15)
+    summary = validate_shards([shard], tmp_path / "out", ValidationSpec(), enable_thinking=False)
+    assert summary.reject_reasons == {"placeholder": 5}
+    assert len(summary.reject_samples["placeholder"]) == 3
+    md = render_validation_report(summary)
+    row = next(line for line in md.splitlines() if line.startswith("| placeholder |"))
+    assert row.startswith("| placeholder | 5 | 25.0% | ") and row.count("<br>") == 2
+    assert row.count("(prompt ") == 3 and "'OK.'" in row
 
 
 def test_error_accepts_plain_text() -> None:
@@ -155,7 +194,7 @@ def test_markdown_report_shows_verdict_histogram_and_mix() -> None:
     md = render_validation_report(s, check_quality_gate(s, GATE))
     assert "**FAILED**: quality gate" in md
     assert "| short_share | **FAIL** | 0.87 | <= 0.05 |" in md
-    assert "| truncated | 10 | cut at the token limit after 8192 tokens |" in md
+    assert "| truncated | 10 | 1.0% | cut at the token limit after 8192 tokens |" in md
     hist = [line for line in md.splitlines() if line.strip().startswith("4-7")]
     assert hist and hist[0].rstrip().endswith("#" * 40)  # the 870 samples at 6 tokens fill the widest bar
     assert "| sharegpt | 1000 | 100.0% |" in md and "| chat | 1000 | 100.0% |" in md

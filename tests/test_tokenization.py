@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import datasets
 import pyarrow as pa
@@ -11,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from datagen.chat import IM_END_ID, THINK_END_ID, ChatTokenizer
+from datagen.chat import IM_END_ID, THINK_END_ID, ChatTokenizer, TemplateError
 from datagen.dataset_card import DatasetSizes, Lineage, arrow_features_yaml, write_dataset_card
 from datagen.model_fixture import ensure_model_dir
 from datagen.records import REJECT_SCHEMA, TOKEN_ROW_SCHEMA, Completion, Message, Reject, prompt_id_for
@@ -158,15 +159,14 @@ def test_rerender_differs_when_the_template_normalizes_whitespace(chat: ChatToke
     assert rerendered.completion_tokens == exact.completion_tokens - 1
 
 
-def test_rerender_differs_when_bpe_merges_across_the_prompt_boundary(chat: ChatTokenizer) -> None:
-    # Thinking off, answer opening with "\n": the prompt's trailing "\n\n" and it become one "\n\n\n" token,
-    # which straddles the boundary; rerender trains on it, token-exact keeps the prompt's own ids.
+def test_rerender_drops_whitespace_the_template_trims_at_the_prompt_boundary(chat: ChatTokenizer) -> None:
+    # Thinking off, answer opening with "\n": the family's template trims content, so rerender loses the model's
+    # leading "\n" (and no BPE token can straddle the boundary); token-exact keeps the ids as generated.
     c = make(chat, CONVERSATIONS["single"], False, text="\n" + ANSWER)
     exact, rerendered = build_token_exact(c, chat, False), build_rerendered(c, chat, False)
-    assert chat.decode(rerendered.input_ids) == chat.decode(exact.input_ids)
-    assert rerendered.prompt_tokens == exact.prompt_tokens - 1
-    straddling = rerendered.input_ids[rerendered.prompt_tokens]
-    assert chat.decode([straddling]) == "\n\n\n" and rerendered.loss_mask[rerendered.prompt_tokens] == 1
+    assert chat.decode(exact.input_ids[exact.prompt_tokens :]) == "\n" + ANSWER + "<|im_end|>"
+    assert chat.decode(rerendered.input_ids[rerendered.prompt_tokens :]) == ANSWER + "<|im_end|>"
+    assert rerendered.prompt_tokens == exact.prompt_tokens
     assert exact.input_ids[exact.prompt_tokens - 1 : exact.prompt_tokens + 1] == [271, 198]
 
 
@@ -294,3 +294,72 @@ def test_rerender_mode_end_to_end_writes_same_rows_for_canonical_data(chat: Chat
     b = pq.read_table(tmp_path / "rer" / rer.data_files[0]).select(["input_ids", "loss_mask"])
     assert a.equals(b)
     assert json.loads(exact.model_dump_json())["loss_tokens"]["counts"]
+
+
+# ------------------------------------------------------------------------- the fixture's chat template (#13.10)
+
+
+def test_fixture_template_renders_the_reference_example_exactly(chat: ChatTokenizer) -> None:
+    messages: list[Message] = [
+        {"role": "system", "content": "You are helpful."},
+        {"role": "user", "content": "What is 2+2?"},
+    ]
+    text = chat.render(messages)
+    assert text == (
+        "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n"
+    )
+    # The reference's token ids for the same prompt without the system turn (shared reference, section 5.2).
+    assert chat.prompt_ids(messages[1:]) == [
+        248045, 846, 198, 3710, 369, 220, 17, 10, 17, 30, 248046, 198, 248045, 74455, 198, 248068, 198
+    ]  # fmt: skip
+
+
+def test_fixture_template_trims_content_like_the_qwen3_family(chat: ChatTokenizer) -> None:
+    padded = chat.render(
+        [{"role": "system", "content": "  Be brief.\n"}, {"role": "user", "content": "\n  Hi there  \n"}]
+    )
+    assert padded == chat.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}])
+    # An empty system prompt still renders its (empty) block: what the user gave is what the model sees.
+    assert chat.render([{"role": "system", "content": " "}, {"role": "user", "content": "q"}]).startswith(
+        "<|im_start|>system\n<|im_end|>\n<|im_start|>user\nq<|im_end|>\n"
+    )
+
+
+def test_fixture_template_renders_list_content_and_tool_turns(chat: ChatTokenizer) -> None:
+    parts: Any = [{"type": "text", "text": "Look at "}, {"type": "text", "text": "this."}]
+    assert chat.render([{"role": "user", "content": parts}]) == chat.render(
+        [{"role": "user", "content": "Look at this."}]
+    )
+    call = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris", "days": 2}}}
+    messages: Any = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": '{"temp": 21}'},
+        {"role": "tool", "content": '{"temp": 23}'},
+    ]
+    text = chat.render(messages)
+    assert (
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n<tool_call>\n<function=weather>\n<parameter=city>\nParis\n"
+        "</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call><|im_end|>\n"
+        '<|im_start|>user\n<tool_response>\n{"temp": 21}\n</tool_response>\n<tool_response>\n{"temp": 23}\n'
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n"
+    ) in text
+
+
+@pytest.mark.parametrize(
+    ("messages", "error"),
+    [
+        ([{"role": "system", "content": "Only a system prompt."}], "No user query found"),
+        ([{"role": "assistant", "content": "A reply to nobody."}], "No user query found"),
+        (
+            [{"role": "user", "content": "q"}, {"role": "system", "content": "late"}],
+            "System message must be at the beginning",
+        ),
+        ([{"role": "user", "content": [{"type": "audio", "audio": "x"}]}], "Unexpected item type"),
+        ([{"role": "critic", "content": "?"}, {"role": "user", "content": "q"}], "Unexpected message role"),
+    ],
+)
+def test_fixture_template_raises_where_the_real_ones_do(chat: ChatTokenizer, messages: Any, error: str) -> None:
+    with pytest.raises(TemplateError, match=error):
+        chat.render(messages)

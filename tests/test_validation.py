@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
 
 from datagen.chat import IM_END_ID, THINK_END_ID, ChatTokenizer
 from datagen.model_fixture import ensure_model_dir
-from datagen.quality import VALIDATION_REASONS, DuplicateIndex, check_completion, repeated_ngram_share
+from datagen.quality import VALIDATION_REASONS, DuplicateIndex, check_completion, find_loops, repeated_ngram_share
 from datagen.records import Completion, Reject, prompt_id_for
 from datagen.runspec import ValidationSpec
 from tasks.validation import SUMMARY_NAME, render_validation_report, validate_shards
@@ -94,11 +95,15 @@ CASES: list[tuple[str, str, bool]] = [
     ("unclosed_thinking", "no_think_end", True),
     ("malformed_thinking", "two_think_ends", True),
     ("malformed_thinking", "think_end_with_thinking_off", False),
+    ("unclosed_thinking", "no_think_end", True),
+    ("placeholder", "ok_without_think_end", True),
     ("empty_thinking", "empty_reasoning", True),
     ("empty_answer", "empty_answer", True),
-    ("short_answer", "placeholder", True),
-    ("short_answer", "placeholder", False),
-    ("repetition", "loop", True),
+    ("placeholder", "placeholder", True),
+    ("placeholder", "placeholder", False),
+    ("repeated_block", "loop", True),
+    ("repeated_tail", "tail_loop_cut", True),
+    ("repetition", "scattered_repeats", True),
 ]
 
 
@@ -130,10 +135,59 @@ def _craft(chat: ChatTokenizer, how: str, thinking: bool) -> Completion:
     if how == "empty_answer":
         return make(chat, thinking_text(answer=""))
     if how == "placeholder":
-        return make(chat, thinking_text(answer="OK.") if thinking else "OK.", thinking=thinking)
+        return make(chat, thinking_text(reasoning="", answer="OK.") if thinking else "OK.", thinking=thinking)
+    if how == "ok_without_think_end":
+        return make(chat, "OK.")
     if how == "loop":
         return make(chat, thinking_text(reasoning="Wait, let me check that again. " * 60))
+    if how == "tail_loop_cut":
+        return make(chat, REASONING + " Hmm, so the answer is sugar. No, wait." * 40, finish="length")
+    if how == "scattered_repeats":
+        # The same two sentences alternate with fresh ones: never back to back, yet most 8-grams repeat.
+        parts = [f"{FILLER[:60]} {i}. {REASONING} {i * 7}." for i in range(30)]
+        return make(chat, thinking_text(reasoning=" ".join(parts)))
     raise AssertionError(how)
+
+
+FILLER = "Photosynthesis needs light, water and carbon dioxide in the leaf, as noted"
+
+
+def varied(n: int, seed: int = 0) -> str:
+    """Real-looking text of `n` sentences of random words: no loop, hardly a repeated 8-gram."""
+    rng = random.Random(seed)
+    words = [
+        "light",
+        "water",
+        "leaf",
+        "sugar",
+        "oxygen",
+        "root",
+        "stem",
+        "cell",
+        "energy",
+        "carbon",
+        "sun",
+        "soil",
+        "green",
+        "plant",
+        "grow",
+        "night",
+        "day",
+        "heat",
+        "store",
+        "starch",
+        "glucose",
+        "enzyme",
+        "membrane",
+        "layer",
+        "chlorophyll",
+        "photon",
+        "electron",
+        "gradient",
+        "cycle",
+        "fixation",
+    ]
+    return " ".join(" ".join(rng.choice(words) for _ in range(9)).capitalize() + f" {i}." for i in range(n))
 
 
 @pytest.mark.parametrize(("reason", "how", "thinking"), CASES, ids=[f"{r}-{h}" for r, h, _ in CASES])
@@ -145,9 +199,59 @@ def test_each_reject_reason(chat: ChatTokenizer, reason: str, how: str, thinking
 
 
 def test_placeholder_detail_quotes_the_answer(chat: ChatTokenizer) -> None:
-    v = check_completion(make(chat, thinking_text(answer="OK.")), SPEC, enable_thinking=True)
-    assert v.reason == "short_answer"
-    assert "'OK.'" in v.detail and "2 tokens" in v.detail
+    v = check_completion(make(chat, thinking_text(reasoning="Ok", answer="OK.")), SPEC, enable_thinking=True)
+    assert v.reason == "placeholder"
+    assert "'OK.'" in v.detail and "1 reasoning and 2 answer tokens" in v.detail
+
+
+def test_short_correct_answer_after_real_reasoning_is_accepted(chat: ChatTokenizer) -> None:
+    # Issue 13.4: `42` after real reasoning used to be rejected as short_answer.
+    reasoning = "The user asks for 6 times 7. 6 * 7 = 42; checking: 7 + 7 + 7 + 7 + 7 + 7 = 42. Reply with the number."
+    v = check_completion(make(chat, thinking_text(reasoning=reasoning, answer="42"), question="6*7?"), SPEC, True)
+    assert v.accepted, v.detail
+    assert v.answer_tokens == len(chat.encode("42")) == 2  # digits are single tokens
+
+
+def test_loop_of_just_under_half_the_completion_is_caught(chat: ChatTokenizer) -> None:
+    # Issue 13.4: a loop making up just under half of a completion was accepted (8-gram share below 50%).
+    head, block = varied(30), " Let me recount the chloroplast steps once more to be sure."
+    n_head, n_block = len(chat.encode(head)), len(chat.encode(block))
+    copies = n_head // n_block  # the loop ends up just under half of reasoning + loop + answer
+    c = make(chat, thinking_text(reasoning=head + block * copies, answer=ANSWER))
+    share = copies * n_block / len(c.output_ids)
+    assert 0.4 < share < 0.5
+    assert repeated_ngram_share(c.output_ids) < SPEC.max_repeated_ngram_share  # the old check let it through
+    v = check_completion(c, SPEC, enable_thinking=True)
+    assert v.reason == "repeated_block", v.detail
+    assert "-token block span" in v.detail
+
+
+@pytest.mark.parametrize("block_tokens", [1, 3, 40, 400])
+def test_loops_of_any_block_size_are_found(chat: ChatTokenizer, block_tokens: int) -> None:
+    head = chat.encode(varied(40))
+    block = chat.encode(varied(60))[7 : 7 + block_tokens]
+    copies = max(2, 500 // block_tokens)
+    ids = head + block * copies + chat.encode(ANSWER)
+    longest, tail = find_loops(ids)
+    assert longest is not None and longest.span >= copies * block_tokens
+    assert longest.period <= block_tokens and block_tokens % longest.period == 0
+    assert tail is None or tail.span < 64
+    assert find_loops(head + chat.encode(ANSWER))[0] is None or find_loops(head)[0].span < 64  # type: ignore[union-attr]
+
+
+def test_long_varied_completion_with_short_repeats_is_accepted(chat: ChatTokenizer) -> None:
+    table = "| a | b |\n|---|---|\n" + "".join(f"| {i} | {i * i} |\n" for i in range(20))
+    zeros = "x = [" + "0, " * 20 + "0]"
+    c = make(chat, thinking_text(reasoning=varied(40), answer=f"{ANSWER}\n\n{table}\n{zeros}\nDone, thanks!"))
+    v = check_completion(c, SPEC, enable_thinking=True)
+    assert v.accepted, v.detail
+
+
+def test_truncation_names_where_it_was_cut(chat: ChatTokenizer) -> None:
+    v = check_completion(make(chat, varied(20), finish="length"), SPEC, enable_thinking=True)
+    assert v.reason == "truncated" and "inside the reasoning" in v.detail
+    v = check_completion(make(chat, thinking_text(reasoning=varied(20), answer=ANSWER), finish="length"), SPEC, True)
+    assert v.reason == "truncated" and "in the answer" in v.detail
 
 
 def test_truncated_kept_when_allowed_even_inside_thinking(chat: ChatTokenizer) -> None:
@@ -186,7 +290,11 @@ def test_validate_shards_accounts_for_every_line(chat: ChatTokenizer, tmp_path: 
     dup = make(chat, thinking_text(answer=f"{ANSWER} Fact 0."), question="another question")
     shard0 = _write(
         tmp_path / "shard-00000.completions.jsonl",
-        [good[0].to_json(), good[1].to_json(), make(chat, thinking_text(answer="OK."), question="p").to_json()],
+        [
+            good[0].to_json(),
+            good[1].to_json(),
+            make(chat, thinking_text(reasoning="", answer="OK."), question="p").to_json(),
+        ],
     )
     shard1 = _write(
         tmp_path / "shard-00001.completions.jsonl",
@@ -196,7 +304,7 @@ def test_validate_shards_accounts_for_every_line(chat: ChatTokenizer, tmp_path: 
     summary = validate_shards([shard0, shard1], out, SPEC, enable_thinking=True)
 
     assert (summary.total, summary.accepted, summary.rejected) == (8, 4, 4)
-    assert summary.reject_reasons == {"short_answer": 1, "malformed_record": 2, "duplicate_completion": 1}
+    assert summary.reject_reasons == {"placeholder": 1, "malformed_record": 2, "duplicate_completion": 1}
     assert summary.accepted_by_source == {"src": 4}
     assert summary.loss_tokens.n == 4
     assert [Path(p).name for p in summary.accepted_paths] == [
@@ -215,7 +323,35 @@ def test_validate_shards_accounts_for_every_line(chat: ChatTokenizer, tmp_path: 
     assert not list(out.glob(".*.tmp"))
 
     report = render_validation_report(summary)
-    assert "| short_answer | 1 |" in report and "| src | 4 | 100.0% |" in report
+    assert "| placeholder | 1 | 12.5% | src row 0 (prompt " in report and "| src | 4 | 100.0% |" in report
+
+
+def test_validation_rejects_name_the_input_file_and_line(chat: ChatTokenizer, tmp_path: Path) -> None:
+    # Issue 13.8: a reject after loading names the input row, not only the checkpoint line.
+    bad = make(chat, "OK.", question="loc")
+    bad.location = "/data/prompts/set.jsonl:17"
+    shard = _write(tmp_path / "shard-00000.completions.jsonl", [bad.to_json()])
+    summary = validate_shards([shard], tmp_path / "out", SPEC, enable_thinking=True)
+    [reject] = [Reject.from_json(line) for line in Path(summary.reject_paths[0]).read_text().splitlines()]
+    assert (reject.reason, reject.location) == ("placeholder", "/data/prompts/set.jsonl:17")
+    assert summary.reject_samples["placeholder"][0].startswith("/data/prompts/set.jsonl:17 (prompt ")
+
+
+def test_duplicates_keep_the_copy_earlier_in_plan_order_whatever_finished_first(
+    chat: ChatTokenizer, tmp_path: Path
+) -> None:
+    # Issue 13.5: the kept copy was the one that happened to finish first.
+    early, late = (make(chat, thinking_text(), question=q) for q in ("planned first", "planned second"))
+    early.meta, late.meta = {"plan_index": 0}, {"plan_index": 1}
+    other = make(chat, thinking_text(answer=f"{ANSWER} Other."), question="planned third")
+    other.meta = {"plan_index": 2}
+    shard = _write(tmp_path / "shard-00000.completions.jsonl", [other.to_json(), late.to_json(), early.to_json()])
+    summary = validate_shards([shard], tmp_path / "out", SPEC, enable_thinking=True)
+    accepted = [Completion.from_json(line) for line in Path(summary.accepted_paths[0]).read_text().splitlines()]
+    assert [c.prompt_id for c in accepted] == [early.prompt_id, other.prompt_id]  # plan order
+    [dup] = [Reject.from_json(line) for line in Path(summary.reject_paths[0]).read_text().splitlines()]
+    assert (dup.reason, dup.prompt_id) == ("duplicate_completion", late.prompt_id)
+    assert early.prompt_id in dup.detail
 
 
 def test_validate_shards_rejects_colliding_output_names(tmp_path: Path) -> None:
