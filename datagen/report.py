@@ -37,9 +37,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Prefect names runs it was not given a name for with two random words ("coral-anaconda"); a name a person
-# typed in the run form or passed to create_flow_run is anything else, and is kept.
-_GENERATED_NAME = re.compile(r"^[a-z]+-[a-z]+$")
+# Prefect names runs it was not given a name for with two random words: "coral-anaconda" from the API and
+# schedules, "Fantastic-Goose" prefilled by the UI's run form. Any other name was chosen by a person and is kept.
+_GENERATED_NAME = re.compile(r"^[A-Za-z]+-[A-Za-z]+$")
 
 
 # --- run names --------------------------------------------------------------------------------------------
@@ -448,13 +448,22 @@ def run_report(facts: RunFacts) -> str:
             "## Per server",
             "",
             _table(
-                ["server", "state", "requests done", "output tokens", "output tokens/s", "last error"],
+                [
+                    "server",
+                    "state",
+                    "requests done",
+                    "output tokens",
+                    "output tokens/s (generation average)",
+                    "output tokens/s (last minute)",
+                    "last error",
+                ],
                 [
                     (
                         sv.name,
                         sv.state,
                         f"{sv.completed:,}",
                         f"{sv.output_tokens:,}",
+                        f"{sv.output_tokens / facts.generation_s:,.0f}" if facts.generation_s else "—",
                         f"{sv.tokens_per_s:,.0f}",
                         sv.last_error or "—",
                     )

@@ -235,7 +235,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
     select, selection = ordering.run_filter(
         spec, skip, layout.root / "sort-spill", projection.length_model if projection else None
     )
-    clock.mark("environment checks")
+    clock.mark("environment checks, tokenizer, catalog")
     plan = plan_task(spec, layout, select=select)
     clock.mark("planning")
     logger.info(

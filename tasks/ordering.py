@@ -202,7 +202,11 @@ def run_filter(
     report: SelectionReport | None = None
     if spec.source_targets or spec.category_targets:
         selection, report = choose(
-            iter_prompts(spec.sources, base_dir), skip, spec.source_targets, spec.category_targets, spec.selection_seed
+            iter_prompts(spec.sources, base_dir),
+            skip,
+            spec.source_target_counts,
+            spec.category_target_counts,
+            spec.selection_seed,
         )
         keep = filtered(selection.keeps)
     elif skip:

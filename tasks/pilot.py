@@ -105,7 +105,11 @@ def plan_pilot(
 ) -> tuple[ShardPlan, PilotPopulation]:
     """Draw the pilot's sample from what the main run would take (same skips and targets) and plan it."""
     selection, report = choose(
-        iter_prompts(spec.sources, base_dir), skip, spec.source_targets, spec.category_targets, spec.selection_seed
+        iter_prompts(spec.sources, base_dir),
+        skip,
+        spec.source_target_counts,
+        spec.category_target_counts,
+        spec.selection_seed,
     )
     sample, population, allocated = stratified_sample(
         iter_prompts(spec.sources, base_dir), selection.keeps, pilot.sample_size, pilot.seed, pilot.min_per_source

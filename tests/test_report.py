@@ -61,6 +61,7 @@ def test_run_names_say_what_a_run_does_to_which_namespace() -> None:
     assert report.describe_run("pilot", {"spec": spec, "pilot_spec": {"name": "p1"}}) == "pilot p1 for expansion_v7"
     # Prefect's generated names are replaced; a typed name (more than two words, digits, ...) is not.
     assert report._GENERATED_NAME.match("coral-anaconda")
+    assert report._GENERATED_NAME.match("Fantastic-Goose")  # the UI form's prefilled name
     assert not report._GENERATED_NAME.match("started-from-the-ui")
     assert not report._GENERATED_NAME.match("nightly 3")
 
@@ -123,7 +124,7 @@ def test_run_report_is_a_table_with_servers_stages_and_charts() -> None:
     assert "| output tokens/s (this run's generation stage) | 600 |" in text
     assert "| GPU-hours (servers × their start + generation time) | 0.400 |" in text  # 8 x 180 s
     assert "| validate/truncated | 10 |" in text
-    assert "| gpu0 | up | 300 | 60,000 | 600 | — |" in text
+    assert "| gpu0 | up | 300 | 60,000 | 600 | 600 | — |" in text
     assert "| generation | 1 min 40 s | 83% |" in text
     assert "datagen inspect expansion_v2" in text and "3.0 MiB" in text
     assert "## Output tokens/s over the generation" in text and "█" in text
