@@ -49,9 +49,11 @@ def inspect_namespace(store: ObjectStore, namespace: str, examples: int = 2) -> 
     manifest: dict[str, Any] = json.loads(store.get_bytes(f"{ns}/{MANIFEST}"))
     lineage = manifest.get("lineage", {})
     totals = manifest.get("total_rows", {})
+    # The flow records its counts in the lineage; per-object row counts are only there when a publish passed them.
+    rows = lineage.get("rows") if isinstance(lineage.get("rows"), int) else totals.get("data", 0)
+    rejects = lineage.get("rejects") if isinstance(lineage.get("rejects"), int) else totals.get("rejects", 0)
     lines += [
-        f"published {manifest.get('created_at')}: {totals.get('data', 0):,} rows, "
-        f"{totals.get('rejects', 0):,} rejects, "
+        f"published {manifest.get('created_at')}: {rows:,} rows, {rejects:,} rejects, "
         f"{len(manifest.get('objects', []))} objects, {human_bytes(int(manifest.get('total_bytes', 0)))}",
         f"model {lineage.get('model_path')} (fingerprint {str(lineage.get('model_fingerprint'))[:12]}), "
         f"engine {lineage.get('engine')} {lineage.get('engine_version') or ''}".rstrip(),

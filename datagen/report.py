@@ -192,7 +192,8 @@ class ProgressReporter:
     """A background thread that reads the dispatcher's counters every `interval_s` while generation runs.
 
     It updates the progress artifact (percent of the run's prompts settled, with prompts, tokens/s and ETA in
-    its description), logs one progress line when something changed (never the same line twice), and keeps
+    its description) every look, logs a progress line at most every `log_every_s` and only when the counts
+    changed (never the same line twice), and keeps
     samples for the throughput chart of the run report. The ETA is from this run's whole prompt count, not
     from what the shards started so far have announced (which made "ETA 0.0 min" appear halfway).
     """
@@ -204,8 +205,9 @@ class ProgressReporter:
         already_settled: int,
         progress_artifact_id: UUID | None,
         logger: logging.Logger | logging.LoggerAdapter[logging.Logger],
-        interval_s: float = 15.0,
+        interval_s: float = 5.0,
         label: str = "",
+        log_every_s: float = 60.0,
     ) -> None:
         self.dispatcher = dispatcher
         self.total = total_prompts
@@ -214,6 +216,8 @@ class ProgressReporter:
         self.logger = logger
         self.interval_s = interval_s
         self.label = label  # prefix of the artifact's description, e.g. "Generation of expansion_v3: "
+        self.log_every_s = log_every_s
+        self._last_log = float("-inf")
         self.samples: list[ProgressSample] = []
         self.last_stats: DispatcherStats | None = None
         self._last_key: tuple[int, ...] = ()
@@ -281,8 +285,10 @@ class ProgressReporter:
             update_progress_artifact(artifact_id=self.artifact_id, progress=progress, description=self.label + text)
         # Same counts as the last line: nothing to say (the end of a run used to repeat its last line).
         key = (settled, stats.failed, stats.in_flight, stats.queued)
-        if key != self._last_key:
+        due = time.monotonic() - self._last_log >= self.log_every_s or settled >= self.total
+        if key != self._last_key and due:
             self._last_key = key
+            self._last_log = time.monotonic()
             self.logger.info("generation: %s", text)
 
     def throughput_series(self, buckets: int = 12) -> list[tuple[str, float]]:

@@ -83,6 +83,7 @@ def test_progress_eta_comes_from_the_whole_run_and_lines_are_never_repeated(capl
         progress_artifact_id=None,
         logger=logger,
         interval_s=3600,
+        log_every_s=0,
     )
     with caplog.at_level(logging.INFO, logger="test.progress"):
         for _ in range(6):
