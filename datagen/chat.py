@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,23 @@ def _sha(*parts: bytes) -> str:
     return h.hexdigest()[:16]
 
 
+def _import_transformers_quietly() -> None:
+    """Import transformers without its "PyTorch was not found" advice: this venv has no torch by design."""
+    if "transformers" in sys.modules:
+        return
+    # The advice is printed during the import when TRANSFORMERS_NO_ADVISORY_WARNINGS is unset; only the import
+    # runs with it set, so later advisory and all real warnings still show.
+    previous = os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS")
+    os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
+    try:
+        import transformers  # noqa: F401
+    finally:
+        if previous is None:
+            os.environ.pop("TRANSFORMERS_NO_ADVISORY_WARNINGS", None)
+        else:
+            os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = previous
+
+
 class ChatTokenizer:
     """Renders conversations with the checkpoint's own chat template and maps text <-> token ids."""
 
@@ -49,6 +68,7 @@ class ChatTokenizer:
     @classmethod
     def from_model_dir(cls, path: str | Path) -> ChatTokenizer:
         """Load tokenizer.json, tokenizer_config.json and the chat template from a model directory."""
+        _import_transformers_quietly()
         from transformers import AutoTokenizer
 
         model_dir = Path(path)

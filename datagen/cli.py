@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-__all__ = ["apply_overrides", "load_spec", "main", "run_summary"]
+__all__ = ["apply_overrides", "load_spec", "main", "summary_text"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_STACK_DIR = Path(".datagen") / "stack"
@@ -76,18 +76,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except (QualityGateError, PromptSourceError) as exc:
         print(f"datagen: run failed: {exc}", file=sys.stderr)
         return 1
-    print(run_summary(report))
+    print(summary_text(report))
     return 0
 
 
-def run_summary(report: dict[str, Any]) -> str:
-    """One or two lines saying what a run published (or why nothing), never a bare None."""
-    if report.get("uri") is None:
-        return f"nothing published in namespace {report.get('namespace')}: {report.get('reason', 'no prompts')}"
-    dry = " (dry run: nothing written)" if report.get("dry_run") else ""
+def summary_text(report: dict[str, Any]) -> str:
+    """The CLI's closing lines for a flow's summary: the dataset's location, or why nothing was published."""
+    if not report.get("uri"):
+        why = report.get("message") or report.get("reason") or "no prompts"
+        return f"nothing published in namespace {report.get('namespace')}: {why}"
+    rows, rejects = report.get("rows", 0), report.get("rejects", 0)
+    what = "Would publish" if report.get("dry_run") else "Published"
     return (
-        f"published {report.get('rows')} rows ({report.get('rejects')} rejects) from {report.get('prompts')} "
-        f"prompts{dry}\n{report['uri']}"
+        f"{what} {rows} rows ({rejects} rejects) from {report.get('prompts')} prompts "
+        f"in namespace {report.get('namespace')}; look at it with: datagen inspect {report.get('namespace')}\n"
+        f"{report['uri']}"
     )
 
 
@@ -146,12 +149,93 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         from flows.expand_dataset import expand_dataset
 
         report = expand_dataset(spec)
-        print(f"\nPublished {report['rows']} rows ({report['rejects']} rejects) from {report['prompts']} prompts.")
-        print(report["uri"])
+        print("\n" + summary_text(report))
+        if report.get("uri"):
+            # The catalog now lists these prompts: a later run with skip_published (the default) skips them.
+            print(
+                "Its prompts now count as published: later runs skip them unless they set skip_published: false. "
+                f"Inspect it while the local S3 runs: datagen stack up && datagen inspect {namespace}"
+            )
         return 0
     finally:
         if not was_running and not args.keep_stack:
             localstack.stop(state_dir)
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from datagen.inspection import inspect_namespace
+    from datagen.settings import Settings
+    from datagen.storage import ObjectStore
+
+    if args.state_dir is not None:
+        from datagen import localstack
+
+        if "DATAGEN_S3_ENDPOINT_URL" not in os.environ and localstack.is_running(args.state_dir):
+            os.environ.update(localstack.start(args.state_dir).env())
+    store = ObjectStore.from_settings(Settings())
+    text, ok = inspect_namespace(store, args.namespace, examples=args.examples)
+    print(text)
+    return 0 if ok else 1
+
+
+def laptop_spec(model_dir: Path, namespace: str = "auto") -> dict[str, Any]:
+    """Demo-sized run parameters for a laptop worker: the bundled prompts, the fixture model, short outputs."""
+    return {
+        "sources": [{"path": str(REPO_ROOT / "data" / "prompts"), "category_field": "category"}],
+        "model_path": str(model_dir),
+        "namespace": namespace,
+        "shard_size": 50,
+        "sampling": {"max_new_tokens": 4096},
+        "context_length": 32768,
+    }
+
+
+def laptop_env(s3_env: dict[str, str], work_dir: Path, servers: int) -> dict[str, str]:
+    """DATAGEN_* settings of a laptop worker: local S3, stand-in servers on free ports, no GPU checks."""
+    return {
+        **s3_env,
+        "DATAGEN_ENGINE": "standin",
+        "DATAGEN_NUM_SERVERS": str(servers),
+        "DATAGEN_BASE_PORT": "0",
+        "DATAGEN_SKIP_GPU_CHECKS": "true",
+        "DATAGEN_REQUIRE_TMPFS_MODEL": "false",
+        "DATAGEN_SERVER_START_TIMEOUT_S": "120",
+        "DATAGEN_WORK_DIR": str(work_dir.resolve()),
+        "DATAGEN_HOME": str(REPO_ROOT),
+    }
+
+
+def _cmd_laptop(args: argparse.Namespace) -> int:
+    """Set up a worker environment on a laptop: local S3, fixture model, stand-in settings, a run spec."""
+    import json
+
+    from datagen import localstack
+    from datagen.model_fixture import ensure_model_dir
+    from datagen.runspec import RunSpec
+
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    print("building the fixture model directory (real Qwen vocabulary, no weights) ...", flush=True)
+    model_dir = ensure_model_dir()
+    print(f"starting the local S3 server (state in {args.state_dir}) ...", flush=True)
+    info = localstack.start(args.state_dir)
+    env = laptop_env(info.env(), out / "work", args.servers)
+    env_file = out / "worker.env"
+    fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the S3 secret
+    with os.fdopen(fd, "w") as f:
+        f.writelines(f"{k}={v}\n" for k, v in sorted(env.items()))
+    spec = laptop_spec(model_dir)
+    RunSpec.model_validate(spec)  # what the deployment's schema will accept
+    spec_file = out / "run-spec.json"
+    spec_file.write_text(json.dumps({"spec": spec}, indent=1) + "\n", encoding="utf-8")
+    print(f"worker settings: {env_file}\nrun parameters:  {spec_file}")
+    print(
+        "start a worker with them:  set -a; . "
+        f"{env_file}; set +a; bash infra/prefect-worker.sh\n"
+        "start a run:               prefect deployment run expand-dataset/manual "
+        f'--params "$(cat {spec_file})" --watch'
+    )
+    return 0
 
 
 def _cmd_stack(args: argparse.Namespace) -> int:
@@ -200,6 +284,25 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--state-dir", type=Path, default=DEFAULT_STACK_DIR, help="local stack state directory")
     demo.add_argument("--keep-stack", action="store_true", help="leave the local S3 server running afterwards")
     demo.set_defaults(func=_cmd_demo)
+
+    inspect = sub.add_parser("inspect", help="show what a published namespace holds: manifest, rows, rejects, card")
+    inspect.add_argument("namespace")
+    inspect.add_argument("--examples", type=int, default=2, help="example rejects shown per reason")
+    inspect.add_argument(
+        "--state-dir",
+        type=Path,
+        default=DEFAULT_STACK_DIR,
+        help="use the local S3 server of this stack when it runs (the demo's); else DATAGEN_S3_* settings",
+    )
+    inspect.set_defaults(func=_cmd_inspect)
+
+    laptop = sub.add_parser(
+        "laptop", help="set up a Prefect worker environment on a laptop: local S3, stand-ins, fixture model"
+    )
+    laptop.add_argument("--out", type=Path, default=Path(".datagen") / "laptop", help="where settings are written")
+    laptop.add_argument("--servers", type=int, default=2, help="stand-in servers per run")
+    laptop.add_argument("--state-dir", type=Path, default=DEFAULT_STACK_DIR, help="local stack state directory")
+    laptop.set_defaults(func=_cmd_laptop)
 
     stack = sub.add_parser("stack", help="start, stop or query the local S3 server")
     stack.add_argument("action", choices=["up", "down", "status"])

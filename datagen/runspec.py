@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["AUTO_NAMESPACE", "PromptSource", "QualityGate", "RunSpec", "SamplingSpec", "ValidationSpec"]
+__all__ = ["AUTO_NAMESPACE", "PromptSource", "QualityGate", "RunSpec", "SamplingSpec", "Target", "ValidationSpec"]
 
 AUTO_NAMESPACE = "auto"  # RunSpec.namespace value: the flow picks the next free `expansion_vN`
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -83,10 +83,6 @@ class ValidationSpec(BaseModel):
     min_reasoning_tokens: int = Field(
         16, ge=0, description="Reasoning shorter than this counts as none for the placeholder check."
     )
-    reject_truncated: bool = Field(True, description="Reject completions cut at max_new_tokens.")
-    max_repeated_ngram_share: float = Field(
-        0.5, gt=0.0, le=1.0, description="Reject when this share of the completion's 8-grams are repeats (loops)."
-    )
     min_loop_tokens: int = Field(
         64, ge=1, description="Back-to-back copies of a block count as a loop only when they span this many tokens."
     )
@@ -98,6 +94,10 @@ class ValidationSpec(BaseModel):
             "Reject when back-to-back copies of one block (any block size) span more than this share of the "
             "completion; a completion that ends in 3 or more copies is rejected at any share."
         ),
+    )
+    reject_truncated: bool = Field(True, description="Reject completions cut at max_new_tokens.")
+    max_repeated_ngram_share: float = Field(
+        0.5, gt=0.0, le=1.0, description="Reject when this share of the completion's 8-grams are repeats (loops)."
     )
     reject_duplicate_completions: bool = Field(True, description="Reject identical completions for different prompts.")
 
@@ -115,6 +115,15 @@ class QualityGate(BaseModel):
     max_category_share: float = Field(1.0, gt=0.0, le=1.0, description="Fail when one category exceeds this share.")
 
 
+class Target(BaseModel):
+    """A cap on the new prompts a run takes from one source or category."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(..., min_length=1, description="Source label (see a source's Name) or category.")
+    count: int = Field(..., ge=0, description="At most this many new prompts; 0 takes none this run.")
+
+
 class RunSpec(BaseModel):
     """What this run should do: prompts, model, sampling, sharding and where the dataset goes."""
 
@@ -128,7 +137,6 @@ class RunSpec(BaseModel):
         "/dev/shm/Qwen3.6-27B",
         description="Model directory on the GPU box; its tokenizer and chat template are used for every prompt.",
     )
-    served_model_name: str = Field("qwen3.6-27b", description="Name the servers report (no ':').")
     sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="Sampling parameters.")
     shard_size: int = Field(1000, ge=1, description="Prompts per shard (unit of checkpointing and caching).")
     namespace: str = Field(
@@ -139,17 +147,6 @@ class RunSpec(BaseModel):
             "'auto' picks the next free expansion_vN."
         ),
     )
-    validation: ValidationSpec = Field(default_factory=ValidationSpec, description="Per-sample checks.")
-    quality_gate: QualityGate = Field(default_factory=QualityGate, description="Dataset-level checks before publish.")
-    server_args: list[str] = Field(
-        default_factory=list, description="Extra launch flags for every server (judged by the engine's own parser)."
-    )
-    max_prompt_tokens: int | None = Field(
-        None,
-        ge=1,
-        description="Reject prompts longer than this; default: context length minus max_new_tokens.",
-    )
-    context_length: int = Field(262144, ge=1, description="Model context length (prompt + completion must fit).")
     skip_published: bool = Field(
         True,
         description=(
@@ -157,13 +154,13 @@ class RunSpec(BaseModel):
             "so a run generates only new prompts."
         ),
     )
-    source_targets: dict[str, int] = Field(
-        default_factory=dict,
-        description="At most this many new prompts per source (source label -> count), a seeded random sample.",
+    source_targets: list[Target] = Field(
+        default_factory=list,
+        description="At most this many new prompts from a source (by its label), a seeded random sample.",
     )
-    category_targets: dict[str, int] = Field(
-        default_factory=dict,
-        description="At most this many new prompts per category (category -> count), a seeded random sample.",
+    category_targets: list[Target] = Field(
+        default_factory=list,
+        description="At most this many new prompts of a category, a seeded random sample.",
     )
     selection_seed: int = Field(0, description="Seed of the random sample that source/category targets take.")
     pilot: str | None = Field(
@@ -179,6 +176,34 @@ class RunSpec(BaseModel):
             "Dispatch order: 'source' (as read) or 'long_first' (longest predicted outputs first, from the "
             "pilot's estimates; shortens the end-of-run tail where GPUs idle)."
         ),
+    )
+
+    # --- Advanced: rarely changed; last in the run form, titled 'Advanced: ...' --------------------------
+    served_model_name: str = Field(
+        "qwen3.6-27b", title="Advanced: Served Model Name", description="Name the servers report (no ':')."
+    )
+    validation: ValidationSpec = Field(
+        default_factory=ValidationSpec, title="Advanced: Validation", description="Per-sample checks."
+    )
+    quality_gate: QualityGate = Field(
+        default_factory=QualityGate, title="Advanced: Quality Gate", description="Dataset-level checks before publish."
+    )
+    server_args: list[str] = Field(
+        default_factory=list,
+        title="Advanced: Server Args",
+        description="Extra launch flags for every server (judged by the engine's own parser).",
+    )
+    max_prompt_tokens: int | None = Field(
+        None,
+        ge=1,
+        title="Advanced: Max Prompt Tokens",
+        description="Reject prompts longer than this; default: context length minus max_new_tokens.",
+    )
+    context_length: int = Field(
+        262144,
+        ge=1,
+        title="Advanced: Context Length",
+        description="Model context length (prompt + completion must fit).",
     )
 
     @field_validator("namespace")
@@ -198,13 +223,35 @@ class RunSpec(BaseModel):
             raise ValueError("served_model_name must not contain ':' (SGLang reads it as base:lora-adapter)")
         return v
 
+    @field_validator("source_targets", "category_targets", mode="before")
+    @classmethod
+    def _targets(cls, v: object) -> object:
+        # YAML configs and `--set` write a mapping (label: count); the run form writes a list of {name, count}.
+        if isinstance(v, dict):
+            bad = sorted(k for k, n in v.items() if isinstance(n, int) and n < 0)
+            if bad:
+                raise ValueError(f"targets must be >= 0 (got negative targets for {bad})")
+            return [{"name": k, "count": n} for k, n in v.items()]
+        return v
+
     @field_validator("source_targets", "category_targets")
     @classmethod
-    def _targets(cls, v: dict[str, int]) -> dict[str, int]:
-        bad = sorted(k for k, n in v.items() if n < 0)
-        if bad:
-            raise ValueError(f"targets must be >= 0 (got negative targets for {bad})")
+    def _unique_targets(cls, v: list[Target]) -> list[Target]:
+        names = [t.name for t in v]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"each name may have one target (got several for {dupes})")
         return v
+
+    @property
+    def source_target_counts(self) -> dict[str, int]:
+        """source_targets as label -> count."""
+        return {t.name: t.count for t in self.source_targets}
+
+    @property
+    def category_target_counts(self) -> dict[str, int]:
+        """category_targets as category -> count."""
+        return {t.name: t.count for t in self.category_targets}
 
     @model_validator(mode="after")
     def _long_first_needs_pilot(self) -> RunSpec:

@@ -29,6 +29,13 @@ class Settings(BaseSettings):
     s3_access_key_id: SecretStr = Field(SecretStr(""), description="S3 access key id.")
     s3_secret_access_key: SecretStr = Field(SecretStr(""), description="S3 secret access key.")
     s3_prefix: str = Field("", description="Key prefix under which every run namespace lives (e.g. 'datasets/').")
+    s3_console_url: str | None = Field(
+        None,
+        description=(
+            "Browser URL of a namespace in an S3 console, with {bucket} and {key} placeholders, for the run's "
+            "dataset link (AWS S3 gets the AWS console without it)."
+        ),
+    )
 
     # --- Generation servers ----------------------------------------------------------------
     engine: Literal["sglang", "standin"] = Field(

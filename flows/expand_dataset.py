@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, cast
@@ -27,10 +26,11 @@ from prefect.artifacts import (
 from prefect.cache_policies import NO_CACHE
 from prefect.context import FlowRunContext, TaskRunContext
 from prefect.futures import PrefectFuture, as_completed
+from prefect.states import Completed
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 import datagen
-from datagen import catalog
+from datagen import alerts, catalog, report
 from datagen.chat import ChatTokenizer
 from datagen.checks import CheckResult
 from datagen.dataset_card import Lineage, write_dataset_card
@@ -95,6 +95,11 @@ def _check_environment(settings: Settings, spec: RunSpec, store: ObjectStore) ->
     return results
 
 
+def _shards_to_generate(shard_ids: list[int], layout: RunLayout, chat: ChatTokenizer, spec: RunSpec) -> dict[int, int]:
+    """Shard id -> requests its checkpoint has no result for (0: done before, e.g. a retry of this run)."""
+    return {shard_id: generation.unsettled_requests(shard_id, layout, chat, spec) for shard_id in shard_ids}
+
+
 def _start_servers(fleet: ServerFleet) -> list[str]:
     endpoints = fleet.start()
     return [f"{e.name}={e.url} (max running {e.max_running_requests})" for e in endpoints]
@@ -106,7 +111,7 @@ def _generate_shard(
     model_fingerprint: str,
     spec: RunSpec,
     layout: RunLayout,
-    dispatcher: Dispatcher,
+    dispatcher: Dispatcher | None,
     chat: ChatTokenizer,
 ) -> generation.ShardResult:
     return generation.generate_shard(shard_id, layout, dispatcher, chat, spec)
@@ -115,6 +120,7 @@ def _generate_shard(
 check_environment_task = task(name="check environment", cache_policy=NO_CACHE)(_check_environment)
 plan_task = task(name="plan shards", cache_policy=NO_CACHE)(planning.plan_shards)
 start_servers_task = task(name="start servers", cache_policy=NO_CACHE)(_start_servers)
+pending_task = task(name="check checkpoints", cache_policy=NO_CACHE)(_shards_to_generate)
 generate_shard_task = task(
     name="generate",
     task_run_name="generate shard-{shard_id:05d}",
@@ -136,7 +142,9 @@ def _quality_gate(
         summary, gate, sum(upstream_reasons.values()), downstream_rejects, upstream_reasons, reject_paths
     )
     create_markdown_artifact(
-        markdown=validation.render_validation_report(summary, report), key="validation-report", description="Validation"
+        markdown=validation.render_validation_report(summary, report),
+        key="validation-report",
+        description="Validation: per-sample verdicts, reject reasons with examples, and the quality gate",
     )
     report.raise_if_failed()  # inside the task: the gate itself is the red task, its report the message
     return report
@@ -212,18 +220,26 @@ def finish_dataset(
     name="expand-dataset",
     task_runner=cast("TaskRunner[PrefectFuture[Any]]", ThreadPoolTaskRunner(max_workers=SHARDS_IN_FLIGHT)),
     log_prints=True,
+    flow_run_name=report.run_name("expand-dataset"),
+    on_failure=[alerts.announce_failure],
 )
 def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str, Any]:  # noqa: B008
-    """Generate completions for a prompt set, validate, tokenize and publish them (never overwriting)."""
+    """Generate completions for a prompt set, validate, tokenize and publish them (never overwriting).
+
+    Args:
+        spec: What this run does: prompt sources, model, sampling, sharding and the output namespace.
+        dry_run: Do everything except writing to S3 (generate, validate, tokenize), then list what would be published.
+    """
     logger = get_run_logger()
     settings = Settings()
     store = ObjectStore.from_settings(settings)
     if spec.namespace == AUTO_NAMESPACE:
         spec = spec.model_copy(update={"namespace": catalog.next_expansion_namespace(store)})
         logger.info("namespace 'auto' -> %s", spec.namespace)
+        report.rename_flow_run(AUTO_NAMESPACE, spec.namespace)
     layout = RunLayout.for_run(settings.work_dir, spec.namespace)
     layout.root.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
+    clock = report.StageClock()
 
     env_results = check_environment_task(settings, spec, store)
     gpu_description = "; ".join(r.detail for r in env_results if r.name.startswith("gpu.") and r.status == "pass")
@@ -236,7 +252,9 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
     select, selection = ordering.run_filter(
         spec, skip, layout.root / "sort-spill", projection.length_model if projection else None
     )
+    clock.mark("environment checks, tokenizer, catalog")
     plan = plan_task(spec, layout, select=select)
+    clock.mark("planning")
     logger.info(
         "planned %d prompts in %d shards (%d load rejects, %d published before and skipped)",
         plan.n_prompts,
@@ -246,49 +264,102 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
     )
     if selection is not None:
         create_markdown_artifact(
-            markdown="# Selection\n\n```json\n" + selection.model_dump_json(indent=1) + "\n```\n", key="selection"
+            markdown="# Selection\n\n```json\n" + selection.model_dump_json(indent=1) + "\n```\n",
+            key="selection",
+            description=f"Which prompts {spec.namespace} took: skipped as published, over target, selected",
         )
     load_gate_task(plan, spec.quality_gate, layout)  # bad input fails here, before any server starts
     if plan.n_prompts == 0:
-        logger.info("nothing new to generate in namespace %s: nothing is published", spec.namespace)
-        return {
+        markdown, message = report.nothing_to_do_report(
+            spec.namespace,
+            [src.path for src in spec.sources],
+            len(skip),
+            [n for n in catalog.catalog_namespaces(store) if n != spec.namespace] if skip else [],
+            plan.n_load_rejects,
+            spec.skip_published,
+            selection.model_dump() if selection is not None else None,
+        )
+        create_markdown_artifact(
+            markdown=markdown, key="run-report", description=f"Run report of {spec.namespace}: nothing to do"
+        )
+        logger.warning("%s", message)
+        summary = {
             "uri": None,
             "namespace": spec.namespace,
             "prompts": 0,
             "rows_read": plan.n_rows,
             "skipped_published": len(skip),
-            "reason": f"nothing new to generate: {plan.n_rows} rows read, {len(skip)} prompt ids published before",
         }
+        # A Completed state with a message: the run list and the run page say "nothing new" at a glance.
+        return cast("dict[str, Any]", Completed(message=message, data={**summary, "message": message}))
     if spec.pilot:
         reused = import_pilot_task(RunLayout.for_run(settings.work_dir, spec.pilot), layout, plan, spec, chat)
         logger.info("reused %d completions of pilot %s", reused.imported_completions, spec.pilot)
 
-    api_key = provisioning.api_key_for(settings)
     shard_results: list[generation.ShardResult] = []
-    fleet = provisioning.provision(settings, spec, layout, api_key)
-    try:
-        # A named task, so a server that fails to start shows as a red task with its log lines.
-        start_servers_task(fleet)
-        progress_id = cast(
-            UUID, create_progress_artifact(progress=0.0, key="generation-progress", description="shards done (%)")
+    progress_id = cast(
+        UUID,
+        create_progress_artifact(
+            progress=0.0,
+            key="generation-progress",
+            description=f"Generation of {spec.namespace}: prompts with a result, of {plan.n_prompts}",
+        ),
+    )
+    # Servers only for shards with work left: a retry whose shards are all checkpointed loads no model.
+    pending = pending_task(plan.shard_ids, layout, chat, spec)
+    final_stats = None
+    throughput: list[tuple[str, float]] = []
+    server_version = None
+    if not any(pending.values()):
+        logger.info("all %d shards are already generated (checkpoints): no servers started", len(plan.shard_ids))
+        futures = [
+            generate_shard_task.with_options(result_storage=layout.root / "task-results").submit(
+                shard_id, plan.plan_sha256, chat.fingerprint, spec, layout, None, chat
+            )
+            for shard_id in plan.shard_ids
+        ]
+        shard_results = [f.result() for f in as_completed(futures)]
+        update_progress_artifact(
+            artifact_id=progress_id,
+            progress=100.0,
+            description=f"Generation of {spec.namespace}: all prompts settled before",
         )
-        with Dispatcher(fleet.endpoints, on_server_down=fleet.restart) as dispatcher:
-            futures: list[PrefectFuture[generation.ShardResult]] = [
-                generate_shard_task.with_options(result_storage=layout.root / "task-results").submit(
-                    shard_id, plan.plan_sha256, chat.fingerprint, spec, layout, dispatcher, chat
-                )
-                for shard_id in plan.shard_ids
-            ]
-            for future in as_completed(futures):
-                shard_results.append(future.result())
-                update_progress_artifact(artifact_id=progress_id, progress=100.0 * len(shard_results) / len(futures))
-                logger.info("%s", dispatcher.stats().line())
-        server_version = fleet.engine_version
-    finally:
-        fleet.stop()
+    else:
+        api_key = provisioning.api_key_for(settings)
+        fleet = provisioning.provision(settings, spec, layout, api_key)
+        try:
+            # A named task, so a server that fails to start shows as a red task with its log lines.
+            start_servers_task(fleet)
+            clock.mark("server start")
+            with (
+                Dispatcher(fleet.endpoints, on_server_down=fleet.restart) as dispatcher,
+                report.ProgressReporter(
+                    dispatcher,
+                    plan.n_prompts,
+                    plan.n_prompts - sum(pending.values()),
+                    progress_id,
+                    logger,
+                    label=f"Generation of {spec.namespace}: ",
+                ) as progress,
+            ):
+                futures = [
+                    generate_shard_task.with_options(result_storage=layout.root / "task-results").submit(
+                        shard_id, plan.plan_sha256, chat.fingerprint, spec, layout, dispatcher, chat
+                    )
+                    for shard_id in plan.shard_ids
+                ]
+                shard_results = [f.result() for f in as_completed(futures)]
+            final_stats, throughput = progress.last_stats, progress.throughput_series()
+            if final_stats is not None:
+                logger.info("%s", final_stats.line())
+            server_version = fleet.engine_version
+        finally:
+            fleet.stop()
+    clock.mark("generation")
 
     shard_results.sort(key=lambda r: r.shard_id)
     tokenized = finish_dataset(spec, layout, chat, plan.n_load_rejects, shard_results, run_id)
+    clock.mark("validation + tokenization")
     lineage = {
         "run_spec": spec.model_dump(mode="json"),
         "model_path": spec.model_path,
@@ -308,21 +379,40 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         # After the manifest: a crash in between leaves a published namespace without a part, which
         # catalog.backfill recovers; the reverse would skip prompts whose data never got published.
         catalog_task(store, spec.namespace, layout.staging_dir)
-    create_link_artifact(link=published.uri, link_text=f"dataset {spec.namespace}", key="published-dataset")
-    elapsed = time.monotonic() - started
-    report = {
-        "uri": published.uri,
-        "namespace": spec.namespace,
-        "rows": tokenized.n_rows,
-        "rejects": tokenized.n_rejects,
-        "prompts": plan.n_prompts,
-        "shards": len(plan.shard_ids),
-        "output_tokens": sum(r.output_tokens for r in shard_results),
-        "wall_s": round(elapsed, 1),
-        "dry_run": dry_run,
-    }
+    clock.mark("publish")
+    dataset_link = report.dataset_link(store, published.uri, settings.s3_console_url)
+    create_link_artifact(
+        link=dataset_link,
+        link_text=f"dataset {spec.namespace}: {tokenized.n_rows:,} rows, {report.human_bytes(published.bytes)}",
+        key="published-dataset",
+        description=f"Where {spec.namespace} was published ({published.uri}); `datagen inspect {spec.namespace}`",
+    )
+    facts = report.RunFacts(
+        namespace=spec.namespace,
+        uri=published.uri,
+        dry_run=dry_run,
+        prompts=plan.n_prompts,
+        shards=len(plan.shard_ids),
+        rows=tokenized.n_rows,
+        rejects=tokenized.n_rejects,
+        rejects_by_reason=tokenized.rejects_by_reason,
+        output_tokens=sum(r.output_tokens for r in shard_results),
+        dataset_bytes=published.bytes,
+        servers=len(final_stats.servers) if final_stats else 0,
+        generation_s=clock.stages.get("generation", 0.0),
+        stages=clock.stages,
+        wall_s=clock.elapsed_s,
+        shards_reused=sum(1 for n in pending.values() if n == 0),
+        generated_tokens=final_stats.output_tokens if final_stats else 0,
+        server_s=clock.stages.get("server start", 0.0) + clock.stages.get("generation", 0.0),
+        final_stats=final_stats,
+        throughput=throughput,
+        lengths=report.completion_lengths(Path(r.completions_path) for r in shard_results),
+    )
     create_markdown_artifact(
-        markdown="# Run report\n\n" + "\n".join(f"- **{k}**: {v}" for k, v in report.items()), key="run-report"
+        markdown=report.run_report(facts),
+        key="run-report",
+        description=f"Run report of {spec.namespace}: rows, rejects, throughput, GPU-hours, time per stage",
     )
     logger.info("published %s", published.uri)
-    return report
+    return facts.summary()

@@ -38,10 +38,12 @@ from prefect.states import Crashed
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 import datagen
+from datagen import alerts
 from datagen.chat import ChatTokenizer
 from datagen.engine.dispatcher import Dispatcher
 from datagen.layout import RunLayout
 from datagen.records import Prompt
+from datagen.report import run_name
 from datagen.runspec import ExchangeSpec, MultiBoxSpec, RunSpec
 from datagen.settings import Settings
 from datagen.storage import ObjectStore, s3_preflight
@@ -102,6 +104,8 @@ generate_claimed_task = task(
     name="generate-on-box",
     task_runner=cast("TaskRunner[PrefectFuture[Any]]", ThreadPoolTaskRunner(max_workers=64)),
     log_prints=True,
+    flow_run_name=run_name("generate-on-box"),
+    on_failure=[alerts.announce_failure],
 )
 def generate_on_box(
     spec: RunSpec = RunSpec(),  # noqa: B008
@@ -227,7 +231,8 @@ def _wait_for_shards(exchange: ShardExchange, plan: ShardPlan, children: dict[st
     """Block until every shard is done; fail when every child ended first. Then settle the children's states."""
     logger = get_run_logger()
     progress_id = cast(
-        UUID, create_progress_artifact(progress=0.0, key="multibox-progress", description="shards done (%)")
+        UUID,
+        create_progress_artifact(progress=0.0, key="multibox-progress", description="Shards done across the boxes (%)"),
     )
     wanted = set(plan.shard_ids)
     last = -1
@@ -273,7 +278,12 @@ def _wait_for_shards(exchange: ShardExchange, plan: ShardPlan, children: dict[st
             )
 
 
-@flow(name="expand-dataset-multibox", log_prints=True)
+@flow(
+    name="expand-dataset-multibox",
+    log_prints=True,
+    flow_run_name=run_name("expand-dataset-multibox"),
+    on_failure=[alerts.announce_failure],
+)
 def expand_dataset_multibox(
     spec: RunSpec = RunSpec(),  # noqa: B008
     boxes: MultiBoxSpec = MultiBoxSpec(),  # noqa: B008
@@ -324,7 +334,12 @@ def expand_dataset_multibox(
         "rejects_by_reason": tokenized.rejects_by_reason,
     }
     published = publish_task(layout.staging_dir, spec.namespace, store, lineage, dry_run=dry_run)
-    create_link_artifact(link=published.uri, link_text=f"dataset {spec.namespace}", key="published-dataset")
+    create_link_artifact(
+        link=published.uri,
+        link_text=f"dataset {spec.namespace}: {tokenized.n_rows:,} rows",
+        key="published-dataset",
+        description=f"Where {spec.namespace} was published; `datagen inspect {spec.namespace}` shows it",
+    )
     report = {
         "uri": published.uri,
         "rows": tokenized.n_rows,
@@ -339,7 +354,9 @@ def expand_dataset_multibox(
         "dry_run": dry_run,
     }
     create_markdown_artifact(
-        markdown="# Run report\n\n" + "\n".join(f"- **{k}**: {v}" for k, v in report.items()), key="run-report"
+        markdown="# Run report\n\n" + "\n".join(f"- **{k}**: {v}" for k, v in report.items()),
+        key="run-report",
+        description=f"Run report of {spec.namespace} (several boxes)",
     )
     logger.info("published %s", published.uri)
     return report

@@ -17,6 +17,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
+from datagen import alerts, report
 from datagen.catalog import published_prompt_ids
 from datagen.chat import ChatTokenizer
 from datagen.engine.dispatcher import Dispatcher
@@ -37,6 +38,8 @@ project_task = task(name="project full run", cache_policy=NO_CACHE)(pilot.projec
     name="pilot",
     task_runner=cast("TaskRunner[PrefectFuture[Any]]", ThreadPoolTaskRunner(max_workers=SHARDS_IN_FLIGHT)),
     log_prints=True,
+    flow_run_name=report.run_name("pilot"),
+    on_failure=[alerts.announce_failure],
 )
 def pilot_flow(spec: RunSpec = RunSpec(), pilot_spec: pilot.PilotSpec = pilot.PilotSpec()) -> dict[str, Any]:  # noqa: B008
     """Generate and validate a sample of the run's prompts; project tokens, time, GPU-hours and size for all."""

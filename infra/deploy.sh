@@ -2,7 +2,8 @@
 # Register datagen's deployments (prefect.yaml) with a Prefect server. Idempotent: safe to re-run after
 # every change to prefect.yaml or to a flow's parameters.
 #   PREFECT_API_URL=http://prefect-host:4200/api bash infra/deploy.sh
-# Optional: DATAGEN_WORK_POOL (default gpu-box-1, the pool prefect.yaml names), PREFECT_BIN.
+# Optional: DATAGEN_WORK_POOL (default gpu-box-1, the pool prefect.yaml names), PREFECT_BIN;
+# DATAGEN_ALERT_WEBHOOK_URL or DATAGEN_ALERT_BLOCK (type/name): install the failed-run automation too.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ -z "${PREFECT_API_URL:-}" ]; then
@@ -21,3 +22,14 @@ pool=${DATAGEN_WORK_POOL:-gpu-box-1}
 # resolve at deploy time, so with DATAGEN_HOME set here the deploying machine's path would be baked into
 # every deployment. Unset, the placeholder is stored as is and each worker resolves its own checkout.
 env -u DATAGEN_HOME "$prefect_bin" deploy --all --no-prompt
+if [ -n "${DATAGEN_ALERT_WEBHOOK_URL:-}" ] || [ -n "${DATAGEN_ALERT_BLOCK:-}" ]; then
+  python_bin="$(dirname "$prefect_bin")/python"
+  [ -x "$python_bin" ] || python_bin=python3
+  if [ -n "${DATAGEN_ALERT_WEBHOOK_URL:-}" ]; then
+    "$python_bin" -m datagen.alerts install --webhook-url "$DATAGEN_ALERT_WEBHOOK_URL"
+  else
+    "$python_bin" -m datagen.alerts install --block "$DATAGEN_ALERT_BLOCK"
+  fi
+else
+  echo "deploy.sh: no DATAGEN_ALERT_WEBHOOK_URL / DATAGEN_ALERT_BLOCK: failed runs notify nobody (infra/DEPLOY.md, section 7)"
+fi

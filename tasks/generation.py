@@ -28,7 +28,14 @@ from datagen.layout import RunLayout
 from datagen.records import Completion, Prompt, Reject
 from datagen.runspec import RunSpec, SamplingSpec
 
-__all__ = ["CheckpointError", "GenerationIncomplete", "ShardResult", "generate_shard", "request_key"]
+__all__ = [
+    "CheckpointError",
+    "GenerationIncomplete",
+    "ShardResult",
+    "generate_shard",
+    "request_key",
+    "unsettled_requests",
+]
 
 logger = logging.getLogger("datagen.generation")
 
@@ -226,15 +233,30 @@ def _count_rows(path: Path) -> int:
         return sum(1 for line in f if line.strip())
 
 
+def unsettled_requests(shard_id: int, layout: RunLayout, chat: ChatTokenizer, spec: RunSpec) -> int:
+    """Requests of the shard its checkpoint has no result for: 0 means the shard needs no server."""
+    keys = {
+        request_key(p.prompt_id, spec.sampling, chat.fingerprint, chat.template_hash)
+        for p in _read_prompts(layout.shard_prompts(shard_id))
+    }
+    settled = _ledger(layout.shard_completions(shard_id), "completion") | _ledger(
+        layout.shard_rejects(shard_id), "reject"
+    )
+    return len(keys - settled)
+
+
 def generate_shard(
     shard_id: int,
     layout: RunLayout,
-    dispatcher: Dispatcher,
+    dispatcher: Dispatcher | None,
     chat: ChatTokenizer,
     spec: RunSpec,
     flush_interval_s: float = 2.0,
 ) -> ShardResult:
-    """Generate every request of one shard not yet in its checkpoint; return counts and the checksum."""
+    """Generate every request of one shard not yet in its checkpoint; return counts and the checksum.
+
+    `dispatcher` may be None when the caller knows (`unsettled_requests`) that the checkpoint settles them all.
+    """
     prompts_path = layout.shard_prompts(shard_id)
     completions_path, rejects_path = layout.shard_completions(shard_id), layout.shard_rejects(shard_id)
     fingerprint, template_hash = chat.fingerprint, chat.template_hash
@@ -266,12 +288,14 @@ def generate_shard(
         "shard %d: %d requests, %d settled in checkpoint, %d to do", shard_id, len(shard_keys), len(settled), todo
     )
     if todo:
+        if dispatcher is None:
+            raise RuntimeError(f"shard {shard_id}: {todo} requests to send but no servers were started for it")
         dispatcher.add_expected(todo)
 
     sampling = sampling_params_for(spec.sampling)
     limit = spec.prompt_token_limit
     # Keep about one box's worth in flight per shard: enough to fill the servers alone, bounded in memory.
-    window = max(1, dispatcher.total_target)
+    window = max(1, dispatcher.total_target) if dispatcher is not None else 1
     inflight: dict[concurrent.futures.Future[GenerateResult], tuple[Prompt, str, int, int]] = {}
     failures: list[BaseException] = []
     n_sent = 0
@@ -319,6 +343,7 @@ def generate_shard(
                 rejects.write(_reject(prompt, key, "prompt_too_long", detail).to_json())
                 continue
             job = GenerateJob(ids, sampling, label=prompt.prompt_id, order=(shard_id, row))  # the plan's order
+            assert dispatcher is not None  # todo > 0 here: checked above
             inflight[dispatcher.submit(job)] = (prompt, key, len(ids), row)
             n_sent += 1
             while len(inflight) >= window:

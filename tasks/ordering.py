@@ -204,8 +204,8 @@ def run_filter(
         selection, report = choose(
             iter_prompts(spec.sources, base_dir, PromptIdentity.for_spec(spec)),
             skip,
-            spec.source_targets,
-            spec.category_targets,
+            spec.source_target_counts,
+            spec.category_target_counts,
             spec.selection_seed,
         )
         keep = filtered(selection.keeps)

@@ -108,8 +108,8 @@ def plan_pilot(
     selection, report = choose(
         iter_prompts(spec.sources, base_dir, identity),
         skip,
-        spec.source_targets,
-        spec.category_targets,
+        spec.source_target_counts,
+        spec.category_target_counts,
         spec.selection_seed,
     )
     sample, population, allocated = stratified_sample(

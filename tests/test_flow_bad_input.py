@@ -13,7 +13,7 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
 
-from datagen.cli import run_summary
+from datagen.cli import summary_text
 from datagen.model_fixture import ensure_model_dir
 from datagen.runspec import PromptSource, QualityGate, RunSpec, SamplingSpec
 from flows.expand_dataset import expand_dataset
@@ -101,7 +101,9 @@ def test_failed_quality_gate_is_the_red_task_with_the_report(
 
 
 def test_cli_summary_is_never_a_bare_none() -> None:
-    line = run_summary({"uri": None, "namespace": "ns", "reason": "nothing new to generate: 0 rows read"})
+    line = summary_text({"uri": None, "namespace": "ns", "reason": "nothing new to generate: 0 rows read"})
     assert line == "nothing published in namespace ns: nothing new to generate: 0 rows read"
-    ok = run_summary({"uri": "s3://b/ns/", "rows": 3, "rejects": 1, "prompts": 4, "dry_run": False})
-    assert ok == "published 3 rows (1 rejects) from 4 prompts\ns3://b/ns/"
+    assert summary_text({"uri": None, "namespace": "ns"}) == "nothing published in namespace ns: no prompts"
+    ok = summary_text({"uri": "s3://b/ns/", "namespace": "ns", "rows": 3, "rejects": 1, "prompts": 4, "dry_run": False})
+    assert ok.startswith("Published 3 rows (1 rejects) from 4 prompts in namespace ns")
+    assert ok.endswith("\ns3://b/ns/") and "None" not in ok

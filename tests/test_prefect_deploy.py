@@ -7,9 +7,12 @@ triggered through the REST API exactly as the UI and users' scripts do, and insp
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +55,44 @@ PROMPTS = [
 ]
 
 
+class WebhookReceiver:
+    """A local HTTP endpoint that records every POST body: where the failure automation's notifications land."""
+
+    def __init__(self) -> None:
+        self.bodies: list[str] = []
+        received = self.bodies
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length", "0"))
+                received.append(self.rfile.read(length).decode("utf-8", "replace"))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/notify"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def wait_for(self, *texts: str, timeout: float = 120.0) -> str:
+        """The first body containing every text; fails with what did arrive."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for body in list(self.bodies):
+                if all(t in body for t in texts):
+                    return body
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no notification with {texts} within {timeout:.0f} s; got {self.bodies}")
+            time.sleep(1.0)
+
+
 @dataclass
 class Stack:
     """What the tests talk to: the Prefect server and its API, the local S3 server, inputs for a run."""
@@ -62,6 +103,7 @@ class Stack:
     worker_log: Path
     prompts: Path
     model_dir: Path
+    alerts: WebhookReceiver
 
 
 def fast_spec(stack: Stack, namespace: str, **overrides: Any) -> dict[str, Any]:
@@ -99,8 +141,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory, local_s3: LocalS3) -> Iterat
         server = stack.enter_context(
             prefect_server(root / "prefect", {"PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2"})
         )
+        # The failure automation notifies a local webhook; deploy.sh installs it when given the URL.
+        receiver = WebhookReceiver()
+        stack.callback(receiver.close)
         # Deploy from the repo root, as a user would; DATAGEN_HOME here must not be baked into the deployment.
-        run_deploy(server, root / "cli-home", {"DATAGEN_HOME": "/nonexistent/deploy-machine-path"})
+        deploy_env = {"DATAGEN_HOME": "/nonexistent/deploy-machine-path", "DATAGEN_ALERT_WEBHOOK_URL": receiver.url}
+        deploy_output = run_deploy(server, root / "cli-home", deploy_env)
+        assert "automation 'datagen: a run failed or crashed' installed" in deploy_output, deploy_output
         worker_log = root / "worker.log"
         stack.enter_context(
             prefect_worker(
@@ -112,7 +159,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, local_s3: LocalS3) -> Iterat
         )
         api = PrefectApi(server.api_url)
         stack.callback(api.close)
-        yield Stack(server, api, store, worker_log, prompts, model_dir)
+        yield Stack(server, api, store, worker_log, prompts, model_dir, receiver)
 
 
 def _deployment_id(stack: Stack, name: str, flow: str = FLOW) -> str:
@@ -222,12 +269,24 @@ def test_rest_triggered_run_completes_and_publishes_with_artifacts(stack: Stack)
     run = stack.api.wait_for_flow_run(flow_run_id, RUN_TIMEOUT_S, diagnostics=stack.worker_log)
     assert run["state_type"] == "COMPLETED", _failure_report(stack, flow_run_id, run)
 
+    # Named after what it does, not "coral-anaconda".
+    assert run["name"] == f"expand {namespace}", run["name"]
+
     artifacts = {a["key"]: a for a in stack.api.artifacts(flow_run_id) if a["key"]}
     assert set(artifacts) >= EXPECTED_ARTIFACTS, sorted(artifacts)
+    for key, artifact in artifacts.items():
+        assert namespace in (artifact["description"] or ""), (key, artifact["description"])
     assert artifacts["generation-progress"]["type"] == "progress"
     assert artifacts["generation-progress"]["data"] == 100
-    assert stack.store.uri(f"{namespace}/") in artifacts["published-dataset"]["data"]
-    assert "**rows**" in artifacts["run-report"]["data"]
+    assert "6 of 6 prompts" in artifacts["generation-progress"]["description"]
+    # A local endpoint has no console: the link names the s3:// location, rows and size.
+    link = artifacts["published-dataset"]["data"]
+    assert stack.store.uri(f"{namespace}/") in link and "6 rows" in link, link
+    run_report = artifacts["run-report"]["data"]
+    for row in ("| training rows | 6 |", "| servers (one per GPU) | 1 |", "## Per server", "## Time per stage"):
+        assert row in run_report, run_report
+    assert "| generation |" in run_report and "## Completion lengths" in run_report, run_report
+    assert run["state"]["message"] is None or "Nothing new" not in run["state"]["message"]
 
     # Failed runs are inspected task by task: every stage shows up under its own name.
     task_names = {t["name"]: t["state_type"] for t in stack.api.task_runs(flow_run_id)}
@@ -259,6 +318,11 @@ def test_unsupported_server_flag_fails_the_environment_check_task_before_any_ser
     assert "fa3" in report["data"]
     assert not [t for t in stack.api.task_runs(flow_run_id) if t["name"].startswith("generate")]
 
+    # The automation told the team: which run, which task, and the task's message.
+    body = stack.alerts.wait_for(run["name"], "Failing task: check environment")
+    assert "engine.attention_backend" in body and "fa3" in body, body
+    assert "ended Failed" in body and flow_run_id in body, body
+
 
 def test_server_that_dies_at_startup_fails_the_run_with_its_log_lines(stack: Stack) -> None:
     # The box claims Hopper (fa3 allowed) but the GPU is really SM120: the environment check passes and the
@@ -281,3 +345,41 @@ def test_server_that_dies_at_startup_fails_the_run_with_its_log_lines(stack: Sta
     # The environment check passed (it believed the box was Hopper); the failure is the server's.
     task_states = {t["name"].rsplit("-", 1)[0]: t["state_type"] for t in stack.api.task_runs(flow_run_id)}
     assert task_states.get("check environment") == "COMPLETED", task_states
+
+
+def test_run_with_nothing_new_completes_saying_so_in_state_and_report(stack: Stack) -> None:
+    first = _start(stack, "manual", {"spec": fast_spec(stack, "prefect-e2e-first")})
+    run = stack.api.wait_for_flow_run(first, RUN_TIMEOUT_S, diagnostics=stack.worker_log)
+    assert run["state_type"] == "COMPLETED", _failure_report(stack, first, run)
+
+    # The same prompts again with skip_published (the scheduled expansion's setting): all were published.
+    namespace = "prefect-e2e-nothing-new"
+    flow_run_id = _start(stack, "manual", {"spec": fast_spec(stack, namespace, skip_published=True)})
+    run = stack.api.wait_for_flow_run(flow_run_id, RUN_TIMEOUT_S, diagnostics=stack.worker_log)
+    assert run["state_type"] == "COMPLETED", _failure_report(stack, flow_run_id, run)
+    message = run["state"]["message"]
+    assert f"Nothing new to generate for {namespace}" in message and "already published" in message, message
+    (report,) = [a for a in stack.api.artifacts(flow_run_id) if a["key"] == "run-report"]
+    assert "nothing to do" in report["data"] and "prefect-e2e-first" in report["data"], report["data"]
+    assert not [t for t in stack.api.task_runs(flow_run_id) if t["name"].startswith("start servers")]
+    assert not stack.store.exists(f"{namespace}/")
+
+
+def test_rerun_whose_shards_are_all_generated_starts_no_server(stack: Stack) -> None:
+    namespace = "prefect-e2e-cached"
+    spec = fast_spec(stack, namespace)
+    first = _start(stack, "manual", {"spec": spec, "dry_run": True})
+    run = stack.api.wait_for_flow_run(first, RUN_TIMEOUT_S, diagnostics=stack.worker_log)
+    assert run["state_type"] == "COMPLETED", _failure_report(stack, first, run)
+    assert run["name"] == f"expand {namespace} (dry run)", run["name"]
+    assert [t for t in stack.api.task_runs(first) if t["name"].startswith("start servers")]
+
+    again = _start(stack, "manual", {"spec": spec, "dry_run": True})
+    run = stack.api.wait_for_flow_run(again, RUN_TIMEOUT_S, diagnostics=stack.worker_log)
+    assert run["state_type"] == "COMPLETED", _failure_report(stack, again, run)
+    tasks = {t["name"]: t["state_name"] for t in stack.api.task_runs(again)}
+    assert not [n for n in tasks if n.startswith("start servers")], tasks
+    assert tasks.get("generate shard-00000") == "Cached", tasks
+    logs = stack.api.wait_for_log(again, "no servers started")
+    assert "all 2 shards are already generated" in logs, logs
+    assert "0 done" not in logs, logs

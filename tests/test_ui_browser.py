@@ -46,6 +46,8 @@ CHROMIUM_ARGS = [
     "--disable-quic",
 ]
 RUN_TIMEOUT_S = 300.0  # a hang guard, not a speed requirement
+# The README shows these; the test refreshes them on every run (small viewport PNGs, committed).
+SCREENSHOTS = Path(__file__).resolve().parents[1] / "docs" / "screenshots"
 PROMPTS = [
     "Explain what a unit test is.",
     "Give two reasons to pin dependencies.",
@@ -124,6 +126,18 @@ def test_run_started_from_the_ui_form_completes(ui_stack: UiStack, tmp_path: Pat
 
             page.goto(f"{ui_stack.server.url}/v2/deployments/deployment/{deployment['id']}/run")
             page.get_by_label("Namespace (Optional)", exact=True).wait_for()
+            form_text = page.inner_text("body")
+            # Descriptions reach the form whole: no "</think>" for the UI to swallow, dry_run explained.
+            assert "Answers (the text after the closing think tag) shorter than" in form_text, form_text[:3000]
+            assert "Do everything except writing to S3" in form_text, form_text[:3000]
+            # Targets are rows of name + count, not a JSON box; rarely changed fields say so and come last.
+            assert "Source Targets" in form_text and "Advanced: Context Length" in form_text
+            assert form_text.count("No items in this list") >= 2, form_text[:3000]  # the two target lists
+            assert form_text.index("Namespace") < form_text.index("Advanced: Quality Gate")
+            SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(SCREENSHOTS / "run-form.png"))
+            page.get_by_text("Source Targets", exact=False).first.scroll_into_view_if_needed()
+            page.screenshot(path=str(SCREENSHOTS / "run-form-targets.png"))
 
             def fill(label: str, value: str) -> None:
                 box = page.get_by_label(label, exact=True)
@@ -138,7 +152,7 @@ def test_run_started_from_the_ui_form_completes(ui_stack: UiStack, tmp_path: Pat
             fill("Namespace (Optional)", namespace)
             fill("Max Reject Rate (Optional)", "1")
             fill("Max Short Share (Optional)", "1")
-            fill("Context Length (Optional)", "8192")
+            fill("Advanced: Context Length (Optional)", "8192")
             page.get_by_role("button", name="Submit", exact=True).click()
 
             # The UI creates the run and shows it in the deployment's Runs tab; open it from there. On a loaded
@@ -154,6 +168,15 @@ def test_run_started_from_the_ui_form_completes(ui_stack: UiStack, tmp_path: Pat
             # The flow-run page shows the final state (reloaded: no waiting on the UI's refresh interval).
             page.reload()
             page.get_by_text("Completed", exact=True).first.wait_for(timeout=60_000)
+            # The name typed in the form is kept (runs Prefect names itself get "expand <namespace>").
+            assert run["name"] == run_name, run["name"]
+            page.get_by_role("tab", name="Artifacts").click()
+            page.get_by_text("run-report", exact=False).first.wait_for(timeout=30_000)
+            page.screenshot(path=str(SCREENSHOTS / "run-artifacts.png"))
+            (report,) = [a for a in ui_stack.api.artifacts(flow_run["id"]) if a["key"] == "run-report"]
+            page.goto(f"{ui_stack.server.url}/v2/artifacts/artifact/{report['id']}")
+            page.get_by_text("Time per stage").first.wait_for(timeout=30_000)
+            page.screenshot(path=str(SCREENSHOTS / "run-report.png"), full_page=True)
         except (AssertionError, PlaywrightTimeout):
             page.screenshot(path=str(ui_stack.artifacts_dir / "ui-failure.png"), full_page=True)
             raise
@@ -178,3 +201,45 @@ def _wait_for_run_named(api: PrefectApi, deployment_id: str, name: str, timeout:
         if time.monotonic() > deadline:
             raise AssertionError(f"no flow run named {name!r} was created from the UI form")
         time.sleep(0.5)
+
+
+def test_failed_run_page_shows_the_failing_task_and_message(ui_stack: UiStack, tmp_path: Path) -> None:
+    deployment = ui_stack.api.deployment("expand-dataset", "manual")
+    spec = {
+        "sources": [{"path": str(ui_stack.prompts)}],
+        "model_path": str(ui_stack.model_dir),
+        "namespace": "ui-failed-run",
+        "context_length": 8192,
+        "sampling": {"max_new_tokens": 1024},
+        # FA3 is refused on SM120 by the environment check: a run that fails in a named task, at once.
+        "server_args": ["--attention-backend", "fa3"],
+    }
+    response = ui_stack.api.create_flow_run(deployment["id"], {"spec": spec})
+    assert response.status_code == 201, response.text
+    flow_run_id = response.json()["id"]
+    run = ui_stack.api.wait_for_flow_run(flow_run_id, RUN_TIMEOUT_S, diagnostics=ui_stack.worker_log)
+    assert run["state_type"] == "FAILED", run["state"]
+    assert run["name"] == "expand ui-failed-run", run["name"]
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch_persistent_context(
+            tmp_path / "chromium-profile",
+            executable_path=_chromium(),
+            args=CHROMIUM_ARGS,
+            viewport={"width": 1400, "height": 1000},
+        )
+        page = browser.new_page()
+        try:
+            page.goto(f"{ui_stack.server.url}/v2/runs/flow-run/{flow_run_id}")
+            page.get_by_text("expand ui-failed-run").first.wait_for(timeout=60_000)
+            page.get_by_text("Failed", exact=True).first.wait_for(timeout=60_000)
+            page.screenshot(path=str(SCREENSHOTS / "failed-run.png"))
+            # Prefect 3.9's UI shows the state message in the Details tab (DEPLOY.md says so).
+            page.get_by_role("tab", name="Details").click()
+            page.get_by_text("engine.attention_backend", exact=False).first.wait_for(timeout=30_000)
+            page.screenshot(path=str(SCREENSHOTS / "failed-run-details.png"))
+        except (AssertionError, PlaywrightTimeout):
+            page.screenshot(path=str(ui_stack.artifacts_dir / "ui-failure-failed-run.png"), full_page=True)
+            raise
+        finally:
+            browser.close()

@@ -1,0 +1,199 @@
+"""Tell the team when a run fails: a flow hook that names the failing task, and the Prefect automation that notifies.
+
+How it fits together:
+
+- Every deployed flow has `on_failure=[announce_failure]`. When a run ends Failed, the hook looks up the
+  run's failed task runs and emits one event, `datagen.flow-run.failed`, whose payload holds the failing
+  task's name and message (a run's own state message only says which exception ended it).
+- A crashed run (worker killed, box gone) runs no hook; Prefect's server emits `prefect.flow-run.Crashed`.
+- One automation (`AUTOMATION_NAME`) reacts to either event of any deployment's run and sends a
+  notification through a Prefect notification block (Slack, Teams, e-mail, a custom webhook, ...).
+
+    python -m datagen.alerts install --webhook-url https://hooks.example.com/...   # custom webhook block
+    python -m datagen.alerts install --block slack-webhook/team-alerts              # an existing block
+
+`infra/deploy.sh` runs `install` when DATAGEN_ALERT_WEBHOOK_URL or DATAGEN_ALERT_BLOCK is set. Installing
+again replaces the automation (same name), so it is safe after every deploy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+from uuid import UUID
+
+__all__ = [
+    "AUTOMATION_NAME",
+    "FAILED_EVENT",
+    "NOTIFICATION_BODY",
+    "announce_failure",
+    "automation_definition",
+    "install",
+    "main",
+]
+
+AUTOMATION_NAME = "datagen: a run failed or crashed"
+FAILED_EVENT = "datagen.flow-run.failed"
+WEBHOOK_BLOCK_NAME = "datagen-alerts"
+
+NOTIFICATION_SUBJECT = "datagen: {{ flow_run.name }} {{ flow_run.state.name }}"
+# Jinja rendered by Prefect's server with the triggering event and the objects it names.
+NOTIFICATION_BODY = """\
+Run "{{ flow_run.name }}" of deployment "{{ deployment.name }}" ({{ flow.name }}) ended {{ flow_run.state.name }}.
+{% if event.payload.failed_task %}Failing task: {{ event.payload.failed_task }}
+Task message: {{ event.payload.task_message }}
+{% elif 'Crashed' in event.event %}Failing task: none (the run crashed: its process or box went away)
+{% else %}Failing task: none (the run failed outside a task)
+{% endif %}Run message: {{ flow_run.state.message }}
+{% if flow_run|ui_url %}Open it: {{ flow_run|ui_url }} (the message is in the run page's Details tab)
+{% else %}Flow run id: {{ flow_run.id }} (set PREFECT_UI_URL on the server for a link)
+{% endif %}"""
+
+
+def _failed_tasks(flow_run_id: UUID) -> list[tuple[str, str]]:
+    """(task run name, state message) of the run's failed task runs, earliest end first."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        TaskRunFilter,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+            task_run_filter=TaskRunFilter(
+                state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.FAILED]))
+            ),
+        )
+    runs.sort(key=lambda r: (r.end_time or r.expected_start_time or r.created) if r else 0)  # type: ignore[arg-type,return-value]
+    return [(r.name, (r.state.message if r.state else "") or "") for r in runs]
+
+
+def announce_failure(flow: Any, flow_run: Any, state: Any) -> None:
+    """`on_failure` hook: emit `datagen.flow-run.failed` naming the failing task and its message."""
+    from prefect.events import emit_event
+
+    try:
+        failed = _failed_tasks(flow_run.id)
+    except Exception as exc:  # the notification still goes out, without the task
+        failed = []
+        print(f"datagen.alerts: could not read the failed task runs: {exc}", file=sys.stderr)
+    related: list[dict[str, str]] = []
+    if getattr(flow_run, "deployment_id", None):
+        related.append(
+            {
+                "prefect.resource.id": f"prefect.deployment.{flow_run.deployment_id}",
+                "prefect.resource.role": "deployment",
+            }
+        )
+    related.append({"prefect.resource.id": f"prefect.flow.{flow_run.flow_id}", "prefect.resource.role": "flow"})
+    name, message = failed[0] if failed else ("", "")
+    emit_event(
+        event=FAILED_EVENT,
+        resource={"prefect.resource.id": f"prefect.flow-run.{flow_run.id}", "prefect.resource.name": flow_run.name},
+        related=related,
+        payload={
+            "failed_task": name,
+            "task_message": message,
+            "other_failed_tasks": [n for n, _ in failed[1:]],
+            "message": (state.message or "") if state is not None else "",
+        },
+    )
+
+
+def automation_definition(block_document_id: UUID | str) -> dict[str, Any]:
+    """The automation, as `prefect automation create --from-json` and the REST API take it."""
+    return {
+        "name": AUTOMATION_NAME,
+        "description": (
+            "Notifies when a run of any datagen deployment fails (with the failing task and its message) or "
+            "crashes. Installed by `python -m datagen.alerts install` (infra/deploy.sh)."
+        ),
+        "enabled": True,
+        "trigger": {
+            "type": "event",
+            "posture": "Reactive",
+            "match": {"prefect.resource.id": "prefect.flow-run.*"},
+            "match_related": {"prefect.resource.role": "deployment"},
+            "expect": [FAILED_EVENT, "prefect.flow-run.Crashed"],
+            "for_each": ["prefect.resource.id"],
+            "threshold": 1,
+            "within": 0,
+        },
+        "actions": [
+            {
+                "type": "send-notification",
+                "block_document_id": str(block_document_id),
+                "subject": NOTIFICATION_SUBJECT,
+                "body": NOTIFICATION_BODY,
+            }
+        ],
+    }
+
+
+def _webhook_block(url: str) -> UUID:
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock
+
+    block = CustomWebhookNotificationBlock(
+        name="datagen alerts",
+        url=url,
+        method="POST",
+        json_data={"subject": "{{subject}}", "text": "{{body}}"},
+    )
+    block_id = block.save(WEBHOOK_BLOCK_NAME, overwrite=True)
+    return UUID(str(block_id))
+
+
+def _existing_block(slug: str) -> UUID:
+    from prefect.blocks.core import Block
+
+    if "/" not in slug:
+        raise SystemExit(f"datagen.alerts: --block {slug!r}: expected BLOCK-TYPE/NAME, e.g. slack-webhook/team-alerts")
+    block: Any = Block.load(slug)
+    if block._block_document_id is None:
+        raise SystemExit(f"datagen.alerts: block {slug!r} has no document id")
+    return UUID(str(block._block_document_id))
+
+
+def install(webhook_url: str | None = None, block: str | None = None) -> UUID:
+    """Create (or replace) the notification automation on the server PREFECT_API_URL names; its id."""
+    from prefect.client.orchestration import get_client
+    from prefect.events.schemas.automations import AutomationCore
+
+    if bool(webhook_url) == bool(block):
+        raise SystemExit("datagen.alerts: give exactly one of --webhook-url and --block")
+    block_id = _webhook_block(webhook_url) if webhook_url else _existing_block(str(block))
+    automation = AutomationCore.model_validate(automation_definition(block_id))
+    with get_client(sync_client=True) as client:
+        for existing in client.read_automations_by_name(AUTOMATION_NAME):
+            client.delete_automation(existing.id)
+        automation_id: UUID = client.create_automation(automation)
+    return automation_id
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m datagen.alerts install|show`."""
+    parser = argparse.ArgumentParser(prog="python -m datagen.alerts", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    inst = sub.add_parser("install", help="create or replace the automation on the Prefect server")
+    inst.add_argument("--webhook-url", help="URL that receives a JSON POST {subject, text}")
+    inst.add_argument("--block", help="an existing notification block, BLOCK-TYPE/NAME")
+    sub.add_parser("show", help="print the automation definition (with a placeholder block id)")
+    args = parser.parse_args(argv)
+    if args.command == "show":
+        import json
+
+        print(json.dumps(automation_definition("<notification-block-id>"), indent=2))
+        return 0
+    automation_id = install(args.webhook_url, args.block)
+    print(f"automation {AUTOMATION_NAME!r} installed ({automation_id})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""`datagen inspect NAMESPACE`: what a namespace in S3 holds, read through `ObjectStore` only (never writes)."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections import Counter, defaultdict
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from datagen.report import human_bytes
+from datagen.storage import ObjectStore, StorageError
+
+__all__ = ["inspect_namespace"]
+
+MANIFEST = "manifest.json"
+CARD = "README.md"
+
+
+def _rejects(store: ObjectStore, keys: list[str], examples: int) -> tuple[Counter[str], dict[str, list[str]]]:
+    counts: Counter[str] = Counter()
+    shown: dict[str, list[str]] = defaultdict(list)
+    for key in keys:
+        table = pq.read_table(io.BytesIO(store.get_bytes(key)), columns=["stage", "reason", "detail", "prompt_id"])
+        for row in table.to_pylist():
+            label = f"{row['stage']}/{row['reason']}"
+            counts[label] += 1
+            if len(shown[label]) < examples:
+                detail = str(row["detail"])
+                shown[label].append(f"{row['prompt_id'] or '-'}: {detail[:200]}{'…' if len(detail) > 200 else ''}")
+    return counts, shown
+
+
+def inspect_namespace(store: ObjectStore, namespace: str, examples: int = 2) -> tuple[str, bool]:
+    """(text, published?) describing the namespace: manifest summary, files, rejects by reason with examples, card."""
+    ns = namespace.strip("/")
+    objects = list(store.list(ns + "/"))
+    if not objects:
+        return f"{store.uri(ns + '/')}: nothing there (no such namespace)", False
+    keys = {o.key[len(ns) + 1 :]: o for o in objects}
+    lines = [f"namespace {ns}: {store.uri(ns + '/')}"]
+    if MANIFEST not in keys:
+        lines.append(
+            f"NOT PUBLISHED: no {MANIFEST} ({len(objects)} objects, {human_bytes(sum(o.size for o in objects))}); "
+            "an interrupted publish leaves this, and the same run resumes it"
+        )
+        return "\n".join(lines), False
+    manifest: dict[str, Any] = json.loads(store.get_bytes(f"{ns}/{MANIFEST}"))
+    lineage = manifest.get("lineage", {})
+    totals = manifest.get("total_rows", {})
+    # The flow records its counts in the lineage; per-object row counts are only there when a publish passed them.
+    rows = lineage.get("rows") if isinstance(lineage.get("rows"), int) else totals.get("data", 0)
+    rejects = lineage.get("rejects") if isinstance(lineage.get("rejects"), int) else totals.get("rejects", 0)
+    lines += [
+        f"published {manifest.get('created_at')}: {rows:,} rows, {rejects:,} rejects, "
+        f"{len(manifest.get('objects', []))} objects, {human_bytes(int(manifest.get('total_bytes', 0)))}",
+        f"model {lineage.get('model_path')} (fingerprint {str(lineage.get('model_fingerprint'))[:12]}), "
+        f"engine {lineage.get('engine')} {lineage.get('engine_version') or ''}".rstrip(),
+        "",
+        "files:",
+    ]
+    for entry in manifest.get("objects", []):
+        rows = f", {entry['rows']:,} rows" if "rows" in entry else ""
+        lines.append(f"  {entry['key']}  {human_bytes(int(entry['size']))}{rows}")
+    reject_keys = [f"{ns}/{k}" for k in sorted(keys) if k.startswith("rejects/") and k.endswith(".parquet")]
+    try:
+        counts, shown = _rejects(store, reject_keys, examples)
+    except (StorageError, OSError, ValueError) as exc:
+        lines += ["", f"rejects: could not be read ({exc})"]
+    else:
+        lines += ["", "rejects by reason:" if counts else "rejects: none"]
+        for label, n in counts.most_common():
+            lines.append(f"  {label}: {n:,}")
+            lines += [f"      e.g. {example}" for example in shown[label]]
+    if CARD in keys:
+        lines += ["", f"dataset card ({CARD}):", "", store.get_bytes(f"{ns}/{CARD}").decode("utf-8", "replace")]
+    return "\n".join(lines), True

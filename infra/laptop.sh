@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The deployed path on a laptop, in one command: local Prefect server + UI, deployments, and a worker whose
+# runs use the local S3 server, stand-in SGLang servers and the fixture model (no GPU, no cloud).
+#   bash infra/laptop.sh            # then start runs from the UI (printed URL) or the printed command
+# Settings: .datagen/laptop/worker.env (DATAGEN_*, mode 0600); demo-sized run parameters:
+# .datagen/laptop/run-spec.json. An existing server is used when PREFECT_API_URL is set. Ctrl-C stops the
+# worker; `bash infra/prefect-server.sh stop` and `.venv/bin/datagen stack down` stop the rest.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash infra/bootstrap.sh
+.venv/bin/datagen laptop
+if [ -z "${PREFECT_API_URL:-}" ]; then
+  port=${DATAGEN_LAPTOP_PREFECT_PORT:-4200}
+  echo "starting a local Prefect server on port $port (state in .datagen/prefect-server) ..."
+  bash infra/prefect-server.sh start "$port"
+  export PREFECT_API_URL="http://127.0.0.1:$port/api"
+fi
+echo "registering the deployments on $PREFECT_API_URL ..."
+bash infra/deploy.sh
+set -a
+# shellcheck disable=SC1091
+. .datagen/laptop/worker.env
+set +a
+export DATAGEN_WORKER_NAME=${DATAGEN_WORKER_NAME:-laptop-worker}
+echo "starting the worker; runs: UI ${PREFECT_API_URL%/api}/ -> Deployments -> manual -> Run, or"
+echo "  PREFECT_API_URL=$PREFECT_API_URL .venv/bin/prefect deployment run expand-dataset/manual --params \"\$(cat .datagen/laptop/run-spec.json)\" --watch"
+exec bash infra/prefect-worker.sh
