@@ -248,6 +248,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
             UUID, create_progress_artifact(progress=0.0, key="generation-progress", description="shards done (%)")
         )
         with Dispatcher(fleet.endpoints, on_server_down=fleet.restart) as dispatcher:
+            dispatcher.wait_ready(settings.server_start_timeout_s)  # every server contacted before shards submit
             futures: list[PrefectFuture[generation.ShardResult]] = [
                 generate_shard_task.with_options(result_storage=layout.root / "task-results").submit(
                     shard_id, plan.plan_sha256, chat.fingerprint, spec, layout, dispatcher, chat

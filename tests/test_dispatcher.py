@@ -152,7 +152,7 @@ def test_waiting_requests_go_out_in_plan_order_whoever_submitted_them_first() ->
         return ok(body)
 
     fake.generate = {"a": gated}
-    with dispatcher(fake, names=("a",)) as d:
+    with dispatcher(fake, names=("a",), queue_rounds=3) as d:  # room for all nine
         blockers = [d.submit(GenerateJob([100 + i, 1], SAMPLING, order=(0, i))) for i in range(3)]  # 2 + queue 1
         # Shard workers submit concurrently: later shards' rows can reach the queue before earlier ones.
         orders = [(4, 0), (2, 5), (3, 1), (2, 0), (1, 9), (3, 0)]
