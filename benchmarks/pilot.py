@@ -25,6 +25,8 @@ import json
 import os
 import platform
 import random
+import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -118,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         "--no-metrics", action="store_true", help="servers without --enable-metrics (the pilot reads /v1/loads)"
     )
     args = ap.parse_args(argv)
+    # Killed with SIGTERM (timeout, another engineer's cleanup): unwind, so the stand-in servers are stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     env = {
         "DATAGEN_STANDIN_LOAD_S": "0.1",

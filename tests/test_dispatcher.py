@@ -297,6 +297,27 @@ def test_dropped_connections_requeue_in_flight_requests_exactly_once() -> None:
     assert fake.calls["a"] >= 1
 
 
+def test_a_connect_timeout_on_a_healthy_server_requeues_that_request_only() -> None:
+    fake = FakeServers()
+    slow_accepts = Counter[str]()
+
+    async def starved(name: str, body: dict[str, Any]) -> httpx.Response:
+        if slow_accepts[name] < 2:  # a loaded box: a couple of connects time out, /health still answers
+            slow_accepts[name] += 1
+            raise httpx.ConnectTimeout("timed out")
+        await asyncio.sleep(0.05)
+        return ok(body)
+
+    fake.generate = {"a": starved}
+    with dispatcher(fake, max_attempts=1) as d:
+        out = results([d.submit(job(i)) for i in range(20)])
+        stats = d.stats()
+    assert sorted(r.output_ids[0] for r in out) == list(range(20))
+    assert {s.name: s.state for s in stats.servers} == {"a": "up", "b": "up"}  # never marked down
+    assert stats.requeued == 2 and stats.failed == 0
+    assert {r.server for r in out} == {"a", "b"}
+
+
 def test_repeated_timeouts_then_failed_health_mark_a_server_down() -> None:
     fake = FakeServers()
 

@@ -615,11 +615,13 @@ class Dispatcher:
                 self._charge(server, work, exc)
             else:
                 self._requeue_now(work)
-            if isinstance(exc.__cause__, httpx.ConnectError | httpx.ConnectTimeout):
-                self._mark_down(server, str(exc))  # nothing listens: down for sure
+            if isinstance(exc.__cause__, httpx.ConnectError):
+                self._mark_down(server, str(exc))  # refused: nothing listens, down for sure
             elif not server.checking:
-                # A dropped connection alone is not proof: under load a kept-alive connection that the server
-                # closed as idle races with its reuse (ReadError). Only a failed health probe marks it down.
+                # A dropped connection or a connect timeout alone is not proof: under load a kept-alive connection
+                # that the server closed as idle races with its reuse (ReadError), and a starved server (or client)
+                # accepts late. Marking it down would throw away every request running there; only a failed health
+                # probe does that.
                 self._spawn(self._check_health(server))
         elif isinstance(exc, TransientError | ProtocolError):
             self._charge(server, work, exc)
@@ -799,11 +801,16 @@ class Dispatcher:
 
     async def _log_progress(self) -> None:
         last = -1
+        underfed_before = False
         while not self._closed:
             await asyncio.sleep(self.log_interval_s)
             done = self._c["completed"] + self._c["rejected"] + self._c["failed"]
             if done != last or self._busy():
-                logger.info("%s", (await self._snapshot()).line())
+                stats = await self._snapshot()
+                # Underfed at two lines in a row is no refill race: say it louder.
+                level = logging.WARNING if stats.underfed and underfed_before else logging.INFO
+                logger.log(level, "%s", stats.line())
+                underfed_before = bool(stats.underfed)
                 last = done
 
     async def _snapshot(self) -> DispatcherStats:
