@@ -381,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     # Killed with SIGTERM (timeout, another engineer's cleanup): unwind, so the stand-in servers are stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    load_before = os.getloadavg()  # the box is shared: say how busy it was
 
     env = {
         "DATAGEN_STANDIN_LOAD_S": "0.1",
@@ -479,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_rss_mb_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "cpu_count": os.cpu_count(),
     }
+    report["load_average_1_5_15_min"] = {"before": load_before, "after": os.getloadavg()}
     args.out.write_text(json.dumps(report, indent=2))
     print(f"{'run':10} {'prompts':>8} {'tokens':>10} {'wall s':>7} {'tok/s':>9} {'cpu ms/req':>10} {'peak MB':>8}")
     for name, r in (*runs.items(), ("mem 1x", mem_1x), ("mem 10x", mem_10x)):
