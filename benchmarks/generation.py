@@ -369,7 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-base-ms", type=float, default=20.0)
     ap.add_argument("--step-per-req-ms", type=float, default=0.2)
     ap.add_argument("--tokens-per-step", type=int, default=256)
-    ap.add_argument("--memory-per-shard", type=int, default=50, help="1x prompts per shard of the memory runs")
+    ap.add_argument(
+        "--memory-per-shard", type=int, default=50, help="1x prompts per shard of the memory runs (0: no memory runs)"
+    )
     ap.add_argument(
         "--order",
         choices=("both", "fifo", "long-first"),
@@ -436,24 +438,26 @@ def main(argv: list[str] | None = None) -> int:
         main_name = "long-first" if "long-first" in runs else "fifo"
         main_run = runs[main_name]
         small = dict(shards=args.shards, max_new_tokens=16, workers=args.workers)
-        mem_1x = run_once(
-            endpoints,
-            chat,
-            work,
-            prompts=_simple_prompts(args.shards * args.memory_per_shard, "mem1x"),
-            per_shard=args.memory_per_shard,
-            tag="mem1x",
-            **small,
-        )
-        mem_10x = run_once(
-            endpoints,
-            chat,
-            work,
-            prompts=_simple_prompts(args.shards * 10 * args.memory_per_shard, "mem10x"),
-            per_shard=10 * args.memory_per_shard,
-            tag="mem10x",
-            **small,
-        )
+        memory: dict[str, dict[str, Any]] = {}
+        if args.memory_per_shard:  # 0 skips the memory runs (a shorter benchmark)
+            memory["mem 1x"] = run_once(
+                endpoints,
+                chat,
+                work,
+                prompts=_simple_prompts(args.shards * args.memory_per_shard, "mem1x"),
+                per_shard=args.memory_per_shard,
+                tag="mem1x",
+                **small,
+            )
+            memory["mem 10x"] = run_once(
+                endpoints,
+                chat,
+                work,
+                prompts=_simple_prompts(args.shards * 10 * args.memory_per_shard, "mem10x"),
+                per_shard=10 * args.memory_per_shard,
+                tag="mem10x",
+                **small,
+            )
 
     report = {
         "config": vars(args) | {"out": str(args.out)},
@@ -474,16 +478,16 @@ def main(argv: list[str] | None = None) -> int:
         "true_mean_output_tokens": sum(lengths.values()) / len(lengths),
         "category_counts": {c: sum(p.category == c for p in prompts) for c, _, _ in BANDS},
         "pilot": pilot,
-        "memory_1x": mem_1x,
-        "memory_10x": mem_10x,
-        "memory_growth_10x_mb": mem_10x["peak_rss_mb"] - mem_1x["peak_rss_mb"],
+        "memory_1x": memory.get("mem 1x"),
+        "memory_10x": memory.get("mem 10x"),
+        "memory_growth_10x_mb": memory["mem 10x"]["peak_rss_mb"] - memory["mem 1x"]["peak_rss_mb"] if memory else None,
         "max_rss_mb_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "cpu_count": os.cpu_count(),
     }
     report["load_average_1_5_15_min"] = {"before": load_before, "after": os.getloadavg()}
     args.out.write_text(json.dumps(report, indent=2))
     print(f"{'run':10} {'prompts':>8} {'tokens':>10} {'wall s':>7} {'tok/s':>9} {'cpu ms/req':>10} {'peak MB':>8}")
-    for name, r in (*runs.items(), ("mem 1x", mem_1x), ("mem 10x", mem_10x)):
+    for name, r in (*runs.items(), *memory.items()):
         print(
             f"{name:10} {r['prompts']:>8} {r['output_tokens']:>10} {r['wall_s']:>7.1f} "
             f"{r['output_tokens_per_s']:>9.0f} "
