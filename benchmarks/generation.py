@@ -6,6 +6,11 @@ Measures how close the dispatcher keeps the servers to their ideal capacity (the
 full batch), the client's CPU per request and its memory; then runs 1x and 10x prompts with short outputs to
 show that memory stays flat (prompts are streamed, not loaded).
 
+Beside utilization it reports the bound: what a perfect, always-full client would reach on the same requests in
+the same order (`tasks.pilot.simulate_slots` over the prompts' true output lengths, the servers' slots and the
+stand-in's own timing model), and `ratio_to_bound` (measured / bound) for the steady state and the whole run.
+A whole run below the bound is the client's doing, tail included: the bound has the unavoidable tail already.
+
 The same prompts run twice: in file order (FIFO) and long outputs first (the order the pipeline plans after a
 pilot). Every server uses the same seed, so a prompt's output length depends on the prompt alone (the stand-in
 draws it from a hash of the prompt's token ids). Each prompt carries a category, the band its length falls in
@@ -25,6 +30,8 @@ import os
 import random
 import re
 import resource
+import signal
+import sys
 import tempfile
 import threading
 import time
@@ -47,6 +54,7 @@ from datagen.standin.synthetic import SyntheticModel
 from datagen.standin.testing import run_standin
 from tasks.generation import generate_shard
 from tasks.ordering import LengthModel, LengthSample, prompt_chars
+from tasks.pilot import DecodeModel, simulate_slots
 
 __all__ = ["main", "run_once"]
 
@@ -183,6 +191,37 @@ def _phases(samples: list[_Sample], n_requests: int, slots: int, ideal: float) -
     }
 
 
+def _against_bound(
+    run: dict[str, Any], lengths: list[int], model: DecodeModel, servers: int, slots: int
+) -> dict[str, Any]:
+    """The perfect client's figures on the same requests in the same order, and the measured run's ratio to them."""
+    best = simulate_slots(lengths, servers, slots, model)
+    steady_rate = best.tokens_at_last_start / max(best.last_start_s, 1e-9)  # every slot busy: the full-batch rate
+    measured_steady = run["steady_utilization"] * servers * model.tokens_per_s(slots)
+    return {
+        "bound": {
+            "output_tokens": sum(lengths),
+            "wall_s": best.wall_s,
+            "steady_s": best.last_start_s,
+            "steady_tokens_per_s": steady_rate,
+            "tail_s": best.wall_s - best.last_start_s,
+            "tail_share_of_wall": (best.wall_s - best.last_start_s) / max(best.wall_s, 1e-9),
+            "output_tokens_per_s": sum(lengths) / max(best.wall_s, 1e-9),
+        },
+        "ratio_to_bound": {
+            "steady": measured_steady / steady_rate,
+            "whole_run": best.wall_s / run["wall_s"],  # same tokens: the ratio of throughputs
+        },
+        # Where the whole run's extra seconds went, against the bound (which has no ramp).
+        "excess_s": {
+            "total": run["wall_s"] - best.wall_s,
+            "ramp": run["ramp_s"],
+            "steady": run["steady_s"] - best.last_start_s,
+            "tail": run["tail_s"] - (best.wall_s - best.last_start_s),
+        },
+    }
+
+
 # Output-length bands (tokens) that name a prompt's category.
 BANDS = (("short", 0, 800), ("medium", 800, 2500), ("long", 2500, 1 << 30))
 PILOT_SHARE = 0.10
@@ -254,10 +293,13 @@ def run_once(
     workers: int,
     tag: str,
     ideal: float | None = None,
+    bound: tuple[list[int], DecodeModel] | None = None,
 ) -> dict[str, Any]:
     """Generate `prompts` (in this order, cut into `shards`) through one dispatcher; return throughput and memory.
 
     With `ideal` (tok/s), also sample the servers and split utilization into steady state and end-of-run tail.
+    With `bound` (every prompt's true output length in this order, and the servers' timing model), also compare
+    with a perfect always-full client on the same requests (`ratio_to_bound`).
     """
     layout = RunLayout(work_dir / tag)
     n_written = _write_shards(layout, prompts, shards, per_shard)
@@ -303,6 +345,8 @@ def run_once(
     if monitor is not None and ideal is not None:
         out |= _phases(monitor.samples, n, endpoints[0].max_running_requests or 0, ideal)
         t0 = monitor.samples[0].t
+        if bound is not None:
+            out |= _against_bound(out, *bound, len(endpoints), endpoints[0].max_running_requests or 0)
         out["timeline"] = [
             [round(x.t - t0, 2), sum(x.running), sum(x.queued_at_servers), x.dispatcher_queue, round(x.server_tokens)]
             for x in monitor.samples[:: max(1, len(monitor.samples) // 200)]
@@ -325,7 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-base-ms", type=float, default=20.0)
     ap.add_argument("--step-per-req-ms", type=float, default=0.2)
     ap.add_argument("--tokens-per-step", type=int, default=256)
-    ap.add_argument("--memory-per-shard", type=int, default=50, help="1x prompts per shard of the memory runs")
+    ap.add_argument(
+        "--memory-per-shard", type=int, default=50, help="1x prompts per shard of the memory runs (0: no memory runs)"
+    )
     ap.add_argument(
         "--order",
         choices=("both", "fifo", "long-first"),
@@ -335,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--seed", type=int, default=7, help="prompt texts and the pilot sample")
     args = ap.parse_args(argv)
+    # Killed with SIGTERM (timeout, another engineer's cleanup): unwind, so the stand-in servers are stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    load_before = os.getloadavg()  # the box is shared: say how busy it was
 
     env = {
         "DATAGEN_STANDIN_LOAD_S": "0.1",
@@ -352,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     # tokens_per_step tokens per running request, so a full batch decodes this many tokens/s:
     per_server = args.slots * 1000.0 / ((args.step_base_ms + args.step_per_req_ms * args.slots) * args.time_scale)
     ideal = per_server * args.servers
+    timing = DecodeModel(args.step_base_ms * args.time_scale / 1000, args.step_per_req_ms * args.time_scale / 1000)
     chat = ChatTokenizer.from_model_dir(ensure_model_dir())
     with contextlib.ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-gen-")))
@@ -383,28 +433,31 @@ def main(argv: list[str] | None = None) -> int:
                 workers=args.workers,
                 tag=name,
                 ideal=ideal,
+                bound=([lengths[p.prompt_id] for p in orders[name]], timing),
             )
         main_name = "long-first" if "long-first" in runs else "fifo"
         main_run = runs[main_name]
         small = dict(shards=args.shards, max_new_tokens=16, workers=args.workers)
-        mem_1x = run_once(
-            endpoints,
-            chat,
-            work,
-            prompts=_simple_prompts(args.shards * args.memory_per_shard, "mem1x"),
-            per_shard=args.memory_per_shard,
-            tag="mem1x",
-            **small,
-        )
-        mem_10x = run_once(
-            endpoints,
-            chat,
-            work,
-            prompts=_simple_prompts(args.shards * 10 * args.memory_per_shard, "mem10x"),
-            per_shard=10 * args.memory_per_shard,
-            tag="mem10x",
-            **small,
-        )
+        memory: dict[str, dict[str, Any]] = {}
+        if args.memory_per_shard:  # 0 skips the memory runs (a shorter benchmark)
+            memory["mem 1x"] = run_once(
+                endpoints,
+                chat,
+                work,
+                prompts=_simple_prompts(args.shards * args.memory_per_shard, "mem1x"),
+                per_shard=args.memory_per_shard,
+                tag="mem1x",
+                **small,
+            )
+            memory["mem 10x"] = run_once(
+                endpoints,
+                chat,
+                work,
+                prompts=_simple_prompts(args.shards * 10 * args.memory_per_shard, "mem10x"),
+                per_shard=10 * args.memory_per_shard,
+                tag="mem10x",
+                **small,
+            )
 
     report = {
         "config": vars(args) | {"out": str(args.out)},
@@ -414,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
         "utilization": main_run["output_tokens_per_s"] / ideal,
         "utilization_by_order": {k: r["output_tokens_per_s"] / ideal for k, r in runs.items()},
         "steady_utilization": main_run["steady_utilization"],
+        "ratio_to_bound": main_run["ratio_to_bound"],
+        "ratio_to_bound_by_order": {k: r["ratio_to_bound"] for k, r in runs.items()},
+        "bound": main_run["bound"],
         "tail_share_of_wall": main_run["tail_share_of_wall"],
         "client_cpu_ms_per_request": main_run["client_cpu_ms_per_request"],
         "peak_rss_mb": main_run["peak_rss_mb"],
@@ -422,22 +478,30 @@ def main(argv: list[str] | None = None) -> int:
         "true_mean_output_tokens": sum(lengths.values()) / len(lengths),
         "category_counts": {c: sum(p.category == c for p in prompts) for c, _, _ in BANDS},
         "pilot": pilot,
-        "memory_1x": mem_1x,
-        "memory_10x": mem_10x,
-        "memory_growth_10x_mb": mem_10x["peak_rss_mb"] - mem_1x["peak_rss_mb"],
+        "memory_1x": memory.get("mem 1x"),
+        "memory_10x": memory.get("mem 10x"),
+        "memory_growth_10x_mb": memory["mem 10x"]["peak_rss_mb"] - memory["mem 1x"]["peak_rss_mb"] if memory else None,
         "max_rss_mb_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "cpu_count": os.cpu_count(),
     }
+    report["load_average_1_5_15_min"] = {"before": load_before, "after": os.getloadavg()}
     args.out.write_text(json.dumps(report, indent=2))
     print(f"{'run':10} {'prompts':>8} {'tokens':>10} {'wall s':>7} {'tok/s':>9} {'cpu ms/req':>10} {'peak MB':>8}")
-    for name, r in (*runs.items(), ("mem 1x", mem_1x), ("mem 10x", mem_10x)):
+    for name, r in (*runs.items(), *memory.items()):
         print(
             f"{name:10} {r['prompts']:>8} {r['output_tokens']:>10} {r['wall_s']:>7.1f} "
             f"{r['output_tokens_per_s']:>9.0f} "
             f"{r['client_cpu_ms_per_request']:>10.2f} {r['peak_rss_mb']:>8.0f}"
         )
     for name, r in runs.items():
-        print(f"utilization {name}: {r['output_tokens_per_s'] / ideal:.1%}")
+        b, ratio = r["bound"], r["ratio_to_bound"]
+        print(
+            f"utilization {name}: {r['output_tokens_per_s'] / ideal:.1%}; bound (perfect client, same order) "
+            f"{b['wall_s']:.1f} s, tail {b['tail_s']:.1f} s; ratio to bound: steady {ratio['steady']:.3f}, "
+            f"whole run {ratio['whole_run']:.3f} (excess s: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in r["excess_s"].items())
+            + ")"
+        )
     print(
         f"[{main_name}] ideal {ideal:.0f} tok/s; utilization {report['utilization']:.1%} over the whole run, "
         f"{main_run['steady_utilization']:.1%} in steady state ({main_run['steady_s']:.1f} s after a "

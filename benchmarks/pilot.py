@@ -25,6 +25,8 @@ import json
 import os
 import platform
 import random
+import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -118,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         "--no-metrics", action="store_true", help="servers without --enable-metrics (the pilot reads /v1/loads)"
     )
     args = ap.parse_args(argv)
+    # Killed with SIGTERM (timeout, another engineer's cleanup): unwind, so the stand-in servers are stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    load_before = os.getloadavg()  # the box is shared: say how busy it was
 
     env = {
         "DATAGEN_STANDIN_LOAD_S": "0.1",
@@ -210,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         "long_first": long_first,
         "main": main_run,
     }
+    report["load_average_1_5_15_min"] = {"before": load_before, "after": os.getloadavg()}
     args.out.write_text(json.dumps(report, indent=2))
     print(
         f"tokens: projected {projected_tokens:,} actual {actual_tokens:,} ({report['tokens_rel_error']:+.1%})\n"

@@ -342,6 +342,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
                     label=f"Generation of {spec.namespace}: ",
                 ) as progress,
             ):
+                dispatcher.wait_ready(settings.server_start_timeout_s)  # every server contacted before shards submit
                 futures = [
                     generate_shard_task.with_options(result_storage=layout.root / "task-results").submit(
                         shard_id, plan.plan_sha256, chat.fingerprint, spec, layout, dispatcher, chat

@@ -135,6 +135,7 @@ def generate_on_box(
         provisioning.provision(settings, spec, layout, provisioning.api_key_for(settings)) as fleet,
         Dispatcher(fleet.endpoints, on_server_down=fleet.restart) as dispatcher,
     ):
+        dispatcher.wait_ready(settings.server_start_timeout_s)  # every server contacted before shards submit
         logger.info("box %s: %d servers up, owner token %s", this_box, len(fleet), sx.owner)
         inflight: dict[PrefectFuture[generation.ShardResult], int] = {}
         while True:

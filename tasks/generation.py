@@ -5,6 +5,10 @@ and `Reject`) are an exactly-once ledger keyed by `request_key`: a rerun reads t
 already settled and sends only the rest. Results are written to the OS as they arrive and fsync'd at least
 every `flush_interval_s`, so a crash loses at most the requests in flight. The stage returns a small
 `ShardResult` (paths, counts, checksum), never the data.
+
+A shard keeps no window of its own: it hands requests to the box's one `Dispatcher`, whose `submit` blocks
+while the dispatcher's queue is full (a limit that follows the servers' live capacity), and writes results
+while it waits.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.chat import ChatTokenizer, TemplateError
 from datagen.engine.client import GenerateResult, ProtocolError, RequestRejected, sampling_params_for
-from datagen.engine.dispatcher import Dispatcher, GenerateJob
+from datagen.engine.dispatcher import Dispatcher, GenerateJob, SubmitTimeout
 from datagen.layout import RunLayout
 from datagen.records import Completion, Prompt, Reject
 from datagen.runspec import RunSpec, SamplingSpec
@@ -38,6 +43,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger("datagen.generation")
+
+# How long a shard worker waits for room in the dispatcher's queue before it writes what has finished meanwhile.
+_SUBMIT_POLL_S = 0.25
 
 
 class CheckpointError(RuntimeError):
@@ -294,17 +302,24 @@ def generate_shard(
 
     sampling = sampling_params_for(spec.sampling)
     limit = spec.prompt_token_limit
-    # Keep about one box's worth in flight per shard: enough to fill the servers alone, bounded in memory.
-    window = max(1, dispatcher.total_target) if dispatcher is not None else 1
     inflight: dict[concurrent.futures.Future[GenerateResult], tuple[Prompt, str, int, int]] = {}
+    # Futures land here as they finish (done-callbacks run on the dispatcher's thread; only this one writes).
+    finished: queue.SimpleQueue[concurrent.futures.Future[GenerateResult]] = queue.SimpleQueue()
     failures: list[BaseException] = []
     n_sent = 0
     seen: set[str] = set()
     completions, rejects = _Appender(completions_path, flush_interval_s), _Appender(rejects_path, flush_interval_s)
 
-    def harvest(timeout: float | None) -> None:
-        finished, _ = concurrent.futures.wait(inflight, timeout=timeout, return_when="FIRST_COMPLETED")
-        for fut in finished:
+    def harvest(timeout: float) -> None:
+        """Write every finished result; wait up to `timeout` for the first one when none has finished."""
+        batch: list[concurrent.futures.Future[GenerateResult]] = []
+        try:
+            batch.append(finished.get(timeout=timeout) if timeout > 0 else finished.get_nowait())
+            while True:
+                batch.append(finished.get_nowait())
+        except queue.Empty:
+            pass
+        for fut in batch:
             prompt, key, sent, plan_index = inflight.pop(fut)
             try:
                 result = fut.result()
@@ -319,6 +334,20 @@ def generate_shard(
         completions.sync_if_due()
         rejects.sync_if_due()
 
+    def settled_unsent() -> None:
+        """A request this shard settled itself (a reject before sending): the dispatcher expects one fewer."""
+        assert dispatcher is not None
+        dispatcher.add_expected(-1)
+
+    def submit(job: GenerateJob) -> concurrent.futures.Future[GenerateResult]:
+        """Hand one request to the dispatcher, writing finished results while it has no room."""
+        assert dispatcher is not None  # only unsettled requests are sent, and those need servers (checked above)
+        while True:
+            try:
+                return dispatcher.submit(job, timeout=_SUBMIT_POLL_S)
+            except SubmitTimeout:
+                harvest(0)
+
     try:
         for row, prompt in enumerate(_read_prompts(prompts_path)):
             key = key_of(prompt)
@@ -329,11 +358,13 @@ def generate_shard(
             if chars is not None:  # told by its length alone: a huge row is never tokenized
                 detail = f"{chars} characters of content cannot fit in {limit} prompt tokens; not tokenized"
                 rejects.write(_reject(prompt, key, "prompt_too_long", detail).to_json())
+                settled_unsent()
                 continue
             try:
                 ids = chat.prompt_ids(prompt.messages, spec.sampling.enable_thinking)
             except TemplateError as exc:
                 rejects.write(_reject(prompt, key, "template_error", f"chat template refused it: {exc}").to_json())
+                settled_unsent()
                 continue
             if len(ids) > limit:
                 detail = (
@@ -341,15 +372,14 @@ def generate_shard(
                     f"max_new_tokens {spec.sampling.max_new_tokens}, max_prompt_tokens {spec.max_prompt_tokens})"
                 )
                 rejects.write(_reject(prompt, key, "prompt_too_long", detail).to_json())
+                settled_unsent()
                 continue
             job = GenerateJob(ids, sampling, label=prompt.prompt_id, order=(shard_id, row))  # the plan's order
-            assert dispatcher is not None  # todo > 0 here: checked above
-            inflight[dispatcher.submit(job)] = (prompt, key, len(ids), row)
+            fut = submit(job)
+            inflight[fut] = (prompt, key, len(ids), row)
+            fut.add_done_callback(finished.put)  # after the entry exists: harvest pops it
             n_sent += 1
-            while len(inflight) >= window:
-                harvest(flush_interval_s)
-            completions.sync_if_due()
-            rejects.sync_if_due()
+            harvest(0)
         while inflight:
             harvest(flush_interval_s)
     finally:

@@ -51,6 +51,7 @@ __all__ = [
     "PilotSpec",
     "Projection",
     "ServerReading",
+    "SlotRun",
     "ThroughputProbe",
     "ThroughputSample",
     "dispatch_order",
@@ -61,6 +62,7 @@ __all__ = [
     "plan_pilot",
     "project",
     "render_projection",
+    "simulate_slots",
     "simulate_wall",
     "write_projection",
 ]
@@ -378,25 +380,42 @@ class ThroughputProbe:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class SlotRun:
+    """What `simulate_slots` found: the wall time, and when and after how many tokens the last request started."""
+
+    wall_s: float
+    last_start_s: float  # the queue is empty from here on: the tail starts
+    tokens_at_last_start: float
+
+
 def simulate_wall(lengths: Sequence[int], servers: int, slots: int, model: DecodeModel) -> float:
-    """Seconds to decode `lengths` dispatched in this order onto `servers` x `slots`, every slot refilled at once.
+    """Seconds to decode `lengths` dispatched in this order onto `servers` x `slots`, every slot refilled at once."""
+    return simulate_slots(lengths, servers, slots, model).wall_s
+
+
+def simulate_slots(lengths: Sequence[int], servers: int, slots: int, model: DecodeModel) -> SlotRun:
+    """Decode `lengths` dispatched in this order onto `servers` x `slots`, every slot refilled at once.
 
     Every server advances all its running requests one token per model.step_s(batch): full batches at the
     saturated rate, and a drain that speeds up per request as the batch empties. A freed slot takes the next
     request in order (a long-first order leaves the shortest outputs for the end, so the drain is short).
+    This is what a perfect, always-full client would reach on these requests in this order.
     """
     queue = iter(lengths)
     heaps: list[list[float]] = [[] for _ in range(servers)]  # per server: progress at which each request ends
     progress = [0.0] * servers  # tokens every request running on the server has advanced since t=0
     exhausted = False
+    t = tokens = last_start = tokens_at_last_start = 0.0
 
     def take(k: int) -> bool:
         """Start the next request on server `k`; False once the queue is exhausted."""
-        nonlocal exhausted
+        nonlocal exhausted, last_start, tokens_at_last_start
         n = next(queue, None)
         if n is None:
             exhausted = True
             return False
+        last_start, tokens_at_last_start = t, tokens
         if n > 0:
             heapq.heappush(heaps[k], progress[k] + n)
         return True
@@ -411,15 +430,16 @@ def simulate_wall(lengths: Sequence[int], servers: int, slots: int, model: Decod
                 break
     for k in range(servers):
         fill(k)
-    t = 0.0
     while True:
         active = [k for k in range(servers) if heaps[k]]
         if not active:
-            return t
+            return SlotRun(t, last_start, tokens_at_last_start)
         dt = min((heaps[k][0] - progress[k]) * model.step_s(len(heaps[k])) for k in active)
         t += dt
         for k in active:
-            progress[k] += dt / model.step_s(len(heaps[k]))
+            advanced = dt / model.step_s(len(heaps[k]))
+            progress[k] += advanced
+            tokens += advanced * len(heaps[k])
             while heaps[k] and heaps[k][0] <= progress[k] + 1e-9:
                 heapq.heappop(heaps[k])
             fill(k)

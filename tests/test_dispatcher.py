@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import random
 import threading
@@ -27,9 +28,13 @@ from datagen.engine.client import (
 )
 from datagen.engine.dispatcher import (
     Dispatcher,
+    DispatcherClosed,
+    DispatcherStats,
     EngineStalled,
     GenerateJob,
     RetriesExhausted,
+    ServerStats,
+    SubmitTimeout,
     backoff_delay,
 )
 from datagen.runspec import SamplingSpec
@@ -59,14 +64,20 @@ class FakeServers:
         self.calls: Counter[str] = Counter()
         self.rids: list[str] = []
         self.lock = threading.Lock()
+        self.capacity_reported = 2  # /server_info's figure
+        self.answering = threading.Event()  # clear: /health hangs, as a server that is not contacted yet
+        self.answering.set()
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         name = request.url.host
         path = request.url.path
+        while not self.answering.is_set():
+            await asyncio.sleep(0.01)
         if path == "/health":
             return httpx.Response(200 if self.healthy.get(name, True) else 503)
         if path == "/server_info":
-            return httpx.Response(200, json={"internal_states": [{"effective_max_running_requests_per_dp": 2}]})
+            state = {"effective_max_running_requests_per_dp": self.capacity_reported}
+            return httpx.Response(200, json={"internal_states": [state]})
         if path == "/v1/loads":
             load: dict[str, float] = {
                 "num_running_reqs": self.active[name],
@@ -152,7 +163,7 @@ def test_waiting_requests_go_out_in_plan_order_whoever_submitted_them_first() ->
         return ok(body)
 
     fake.generate = {"a": gated}
-    with dispatcher(fake, names=("a",)) as d:
+    with dispatcher(fake, names=("a",), queue_rounds=3) as d:  # room for all nine
         blockers = [d.submit(GenerateJob([100 + i, 1], SAMPLING, order=(0, i))) for i in range(3)]  # 2 + queue 1
         # Shard workers submit concurrently: later shards' rows can reach the queue before earlier ones.
         orders = [(4, 0), (2, 5), (3, 1), (2, 0), (1, 9), (3, 0)]
@@ -286,6 +297,27 @@ def test_dropped_connections_requeue_in_flight_requests_exactly_once() -> None:
     assert fake.calls["a"] >= 1
 
 
+def test_a_connect_timeout_on_a_healthy_server_requeues_that_request_only() -> None:
+    fake = FakeServers()
+    slow_accepts = Counter[str]()
+
+    async def starved(name: str, body: dict[str, Any]) -> httpx.Response:
+        if slow_accepts[name] < 2:  # a loaded box: a couple of connects time out, /health still answers
+            slow_accepts[name] += 1
+            raise httpx.ConnectTimeout("timed out")
+        await asyncio.sleep(0.05)
+        return ok(body)
+
+    fake.generate = {"a": starved}
+    with dispatcher(fake, max_attempts=1) as d:
+        out = results([d.submit(job(i)) for i in range(20)])
+        stats = d.stats()
+    assert sorted(r.output_ids[0] for r in out) == list(range(20))
+    assert {s.name: s.state for s in stats.servers} == {"a": "up", "b": "up"}  # never marked down
+    assert stats.requeued == 2 and stats.failed == 0
+    assert {r.server for r in out} == {"a", "b"}
+
+
 def test_repeated_timeouts_then_failed_health_mark_a_server_down() -> None:
     fake = FakeServers()
 
@@ -370,3 +402,110 @@ def test_backoff_is_capped_exponential_with_jitter() -> None:
         delays = [backoff_delay(attempt, 0.5, 20.0, rng) for _ in range(50)]
         assert all(ceiling * 0.5 <= x <= ceiling for x in delays)
         assert len(set(delays)) > 1
+
+
+def wait_for(predicate: Callable[[], bool]) -> None:
+    for _ in range(1000):
+        if predicate():
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError("condition never came true")
+
+
+def test_queue_limit_is_seeded_from_provisioning_then_follows_the_servers() -> None:
+    fake = FakeServers()
+    fake.answering.clear()
+    endpoints = [ServerEndpoint(name=n, url=f"http://{n}", max_running_requests=5) for n in ("a", "b")]
+    d = Dispatcher(endpoints, client_factory=fake.factory, queue_depth=1, load_poll_interval_s=0.05)
+    try:
+        assert d.queue_limit == 2 * (5 + 1)  # before any contact: provisioning's figures
+        futures = [d.submit(job(i), timeout=5) for i in range(12)]
+        with pytest.raises(SubmitTimeout):
+            d.submit(job(99), timeout=0.05)  # full: nothing sent yet, nothing more taken
+        stats = d.stats()
+        assert (stats.queued, stats.in_flight, stats.submitted) == (12, 0, 12)
+        fake.answering.set()  # first contact: the servers report 2 slots each
+        assert d.wait_ready(10)
+        assert d.queue_limit == 2 * (2 + 1)
+        later = [d.submit(job(100 + i), timeout=10) for i in range(20)]
+        assert len(results(futures + later)) == 32
+    finally:
+        d.close()
+
+
+def test_unknown_capacity_uses_the_default_until_contact_and_then_grows() -> None:
+    fake = FakeServers()
+    fake.answering.clear()
+    endpoints = [ServerEndpoint(name="a", url="http://a")]
+    d = Dispatcher(endpoints, client_factory=fake.factory, queue_depth=1, default_capacity=0)
+    try:
+        assert d.queue_limit == 1  # 0 slots + a queue of 1
+        fake.answering.set()
+        assert d.wait_ready(10)
+        assert d.queue_limit == 3  # /server_info: 2 slots
+    finally:
+        d.close()
+
+
+def test_blocked_submitters_are_let_in_lowest_plan_position_first() -> None:
+    fake = FakeServers()
+    fake.answering.clear()
+    orders = [(5, 0), (1, 3), (4, 2), (1, 0), (3, 1), (2, 7), (0, 9), (2, 0)]
+    arrived: list[int] = []
+
+    async def record(name: str, body: dict[str, Any]) -> httpx.Response:
+        arrived.append(body["input_ids"][0])
+        await asyncio.sleep(0.02)
+        return ok(body)
+
+    fake.generate = {"a": record}
+    fake.capacity_reported = 1
+    endpoints = [ServerEndpoint(name="a", url="http://a", max_running_requests=1)]
+    d = Dispatcher(endpoints, client_factory=fake.factory, queue_depth=0)
+    try:
+        first = d.submit(GenerateJob([100, 1], SAMPLING, order=(9, 9)))  # takes the only place (limit 1)
+        with concurrent.futures.ThreadPoolExecutor(len(orders)) as pool:
+            later = [pool.submit(d.submit, GenerateJob([i, 1], SAMPLING, order=o)) for i, o in enumerate(orders)]
+            wait_for(lambda: d.stats().blocked_submitters == len(orders))
+            assert f"{len(orders)} shard workers waiting for room" in d.stats().line()
+            fake.answering.set()
+            results([first, *(f.result(timeout=20) for f in later)])
+    finally:
+        d.close()
+    assert arrived[0] == 100
+    assert [orders[i] for i in arrived[1:]] == sorted(orders)  # let in, and sent, in plan order
+
+
+def test_closing_wakes_blocked_submitters() -> None:
+    fake = FakeServers()
+    fake.answering.clear()
+    endpoints = [ServerEndpoint(name="a", url="http://a", max_running_requests=1)]
+    d = Dispatcher(endpoints, client_factory=fake.factory, queue_depth=0)
+    d.submit(job(0))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        blocked = pool.submit(d.submit, job(1))
+        wait_for(lambda: d.stats().blocked_submitters == 1)
+        d.close()
+        with pytest.raises(DispatcherClosed):
+            blocked.result(timeout=10)
+
+
+def test_progress_line_spells_out_every_figure_and_flags_an_underfed_server() -> None:
+    servers = [
+        ServerStats("gpu0", "up", 64, 68, 68, 4, 10, 9000, 12784.0, "", running=64),
+        ServerStats("gpu1", "up", 64, 68, 4, 0, 10, 9000, 950.0, "", running=4),
+        ServerStats("gpu2", "starting", 64, 0, 0, None, 0, 0, 0.0, ""),
+    ]
+    stats = DispatcherStats(
+        elapsed_s=60, submitted=200, completed=1234, rejected=3, failed=0, retries=2, requeued=0, output_tokens=1,
+        queued=0, in_flight=72, completions_per_s=8.5, output_tokens_per_s=13734.0, eta_s=192.0, servers=servers,
+        unsent=50, queue_limit=204, blocked_submitters=0,
+    )  # fmt: skip
+    line = stats.line()
+    assert line.startswith("generation: 1,234 done, 3 rejected, 0 failed; 50 unsent, 0 queued (limit 204), 72 in")
+    assert "13.7k tok/s, 8.50 req/s, 2 retries, ETA 3.2 min" in line
+    assert "gpu0 up, 68/68 in flight (64 running, 4 queued there), 12.8k tok/s" in line
+    assert "gpu1 up, 4/68 in flight (4 running, 0 queued there), 950 tok/s" in line
+    assert "gpu2 starting, 0/0 in flight (server load not read yet)" in line
+    assert stats.underfed == ["gpu1"] and line.endswith("UNDERFED: gpu1 below their number while requests wait")
+    assert dataclasses.replace(stats, unsent=0).underfed == []  # nothing waits: a server below target is fine

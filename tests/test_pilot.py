@@ -28,6 +28,7 @@ from tasks.pilot import (
     dispatch_order,
     expand_population,
     fit_decode_model,
+    simulate_slots,
     simulate_wall,
 )
 
@@ -93,6 +94,14 @@ def test_pilot_projects_the_full_set_and_the_main_run_reuses_its_completions(
     means = {s: model["by_source"][s]["mean"] for s in model["by_source"]}
     longest = max(means, key=lambda s: means[s])
     assert first_shard[0].source == longest
+
+
+def test_simulate_slots_reports_when_the_last_request_started() -> None:
+    m = DecodeModel(0.002, 0.0005)  # step(1) = 2.5 ms, step(2) = 3 ms
+    run = simulate_slots([100, 100, 50], 1, 2, m)
+    # Two run 100 tokens at 3 ms (0.3 s, 200 tokens); the third starts then and runs alone at 2.5 ms.
+    assert (run.last_start_s, run.tokens_at_last_start) == (pytest.approx(0.3), pytest.approx(200))
+    assert run.wall_s == pytest.approx(0.3 + 50 * 0.0025) == simulate_wall([100, 100, 50], 1, 2, m)
 
 
 def test_simulate_wall_full_batches_then_a_drain_at_low_batch_speed() -> None:

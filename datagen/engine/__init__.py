@@ -23,6 +23,7 @@ from datagen.engine.dispatcher import (
     GenerateJob,
     RetriesExhausted,
     ServerStats,
+    SubmitTimeout,
 )
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "ServerError",
     "ServerStats",
     "ServerUnreachable",
+    "SubmitTimeout",
     "TransientError",
     "sampling_params_for",
 ]

@@ -2,8 +2,15 @@
 
 All shard workers submit into one shared queue, so the servers never drain at a shard boundary. The queue
 is ordered by each job's plan position (`GenerateJob.order`), so concurrent shard workers cannot reorder the
-plan (long outputs first); requeued and retried requests go ahead of new ones. The
-dispatcher runs its own asyncio loop in a background thread; `submit` is thread-safe and returns a
+plan (long outputs first); requeued and retried requests go ahead of new ones.
+
+Back-pressure lives here and nowhere else: `submit` blocks while the queue of requests not yet sent holds
+`queue_limit` of them, a live figure (one round of every server's running capacity plus its small queue) that
+follows what the dispatcher learns: capacities seeded from provisioning (`ServerEndpoint.max_running_requests`),
+then read from each server, and servers going down or coming back. Callers keep no window of their own, so
+none can freeze a figure learned later. Blocked submitters are let in lowest plan position first.
+
+The dispatcher runs its own asyncio loop in a background thread; `submit` is thread-safe and returns a
 `concurrent.futures.Future` that ends with a `GenerateResult` or one of these errors:
 
 - `RequestRejected`: the server refused this prompt (reject row, never retried);
@@ -21,6 +28,7 @@ attempts) and it is probed until healthy again.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import concurrent.futures
 import heapq
@@ -59,6 +67,7 @@ __all__ = [
     "GenerateJob",
     "RetriesExhausted",
     "ServerStats",
+    "SubmitTimeout",
     "backoff_delay",
 ]
 
@@ -79,6 +88,10 @@ class DispatcherClosed(EngineError):
     """The dispatcher was closed before the request finished."""
 
 
+class SubmitTimeout(TimeoutError):
+    """`submit(..., timeout=)` found no room in the dispatcher's queue in time (nothing was queued)."""
+
+
 @dataclass(frozen=True, slots=True)
 class GenerateJob:
     """One request to run: prompt token ids and `sampling_params` (see `sampling_params_for`)."""
@@ -97,14 +110,24 @@ class ServerStats:
 
     name: str
     state: str  # "starting" | "up" | "down" | "fatal"
-    capacity: int
-    target: int
-    in_flight: int
-    waiting: int | None
+    capacity: int  # running slots: read from the server, or seeded from provisioning until it is contacted
+    target: int  # requests the dispatcher keeps in flight there (capacity + a small queue, less when it lags)
+    in_flight: int  # requests sent to it and not answered yet (running + waiting in its own queue)
+    waiting: int | None  # requests waiting in the server's own queue (its /v1/loads); None until read
     completed: int
     output_tokens: int
     tokens_per_s: float
     last_error: str
+    running: int | None = None  # requests the server says it runs (its /v1/loads); None until read
+
+    def part(self) -> str:
+        """Its part of the progress line: `gpu0 up, 68/68 in flight (64 running, 4 queued there), 12.8k tok/s`."""
+        if self.running is None or self.waiting is None:
+            there = "server load not read yet"
+        else:
+            there = f"{self.running} running, {self.waiting} queued there"
+        rate = _si(self.tokens_per_s)
+        return f"{self.name} {self.state}, {self.in_flight}/{self.target} in flight ({there}), {rate} tok/s"
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,18 +148,51 @@ class DispatcherStats:
     output_tokens_per_s: float
     eta_s: float | None
     servers: list[ServerStats]
+    unsent: int = 0  # announced by shard workers (`add_expected`) and not submitted yet
+    queue_limit: int = 0  # most requests the queue holds before `submit` blocks (live figure)
+    blocked_submitters: int = 0  # threads waiting in `submit` for room in the queue
+
+    @property
+    def underfed(self) -> list[str]:
+        """Up servers with room for more while requests wait to be sent: the servers run below what they could."""
+        if not (self.queued or self.unsent):
+            return []
+        return [s.name for s in self.servers if s.state == "up" and s.in_flight < s.target]
 
     def line(self) -> str:
-        """One log line."""
+        """One log line, e.g.::
+
+            generation: 1,234 done, 3 rejected, 0 failed; 1,700 unsent, 608 queued (limit 608, 12 shard workers
+            waiting for room), 544 in flight; 98.1k tok/s, 66.00 req/s, 0 retries, ETA 0.4 min | gpu0 up, 68/68 in
+            flight (64 running, 4 queued there), 12.8k tok/s; gpu1 ...
+
+        Fields: done / rejected (the server refused the prompt) / failed (no result: retries used up, stall);
+        unsent: requests the shard workers announced and have not handed to the dispatcher yet; queued: handed
+        to the dispatcher, not yet sent to a server (retries waiting out their backoff included); limit: how many
+        the queue takes before shard workers block (one round of every server's capacity plus its small queue),
+        and how many are blocked on it now; in flight: sent, not answered. Rates are over the last minute; ETA
+        from that rate. Per server: state (starting, up, down, fatal), in flight / the number the dispatcher
+        keeps there, what the server itself reports running and queued (its /v1/loads, polled every few
+        seconds), its output tokens/s. `UNDERFED` names up servers below their number while requests wait: the
+        servers are not being kept full.
+        """
         eta = f"{self.eta_s / 60:.1f} min" if self.eta_s is not None else "?"
-        per_server = " ".join(
-            f"{s.name}={s.state}:{s.in_flight}/{s.target}:{s.tokens_per_s:.0f}t/s" for s in self.servers
+        waiting = f", {self.blocked_submitters} shard workers waiting for room" if self.blocked_submitters else ""
+        text = (
+            f"generation: {self.completed:,} done, {self.rejected:,} rejected, {self.failed:,} failed; "
+            f"{self.unsent:,} unsent, {self.queued:,} queued (limit {self.queue_limit:,}{waiting}), "
+            f"{self.in_flight:,} in flight; {_si(self.output_tokens_per_s)} tok/s, {self.completions_per_s:.2f} "
+            f"req/s, {self.retries:,} retries, ETA {eta} | " + "; ".join(s.part() for s in self.servers)
         )
-        return (
-            f"generation: {self.completed} done, {self.rejected} rejected, {self.failed} failed, "
-            f"{self.queued} queued, {self.in_flight} in flight, {self.output_tokens_per_s:.0f} tok/s, "
-            f"{self.completions_per_s:.2f} req/s, {self.retries} retries, ETA {eta} | {per_server}"
-        )
+        underfed = self.underfed
+        if underfed:
+            text += f" | UNDERFED: {', '.join(underfed)} below their number while requests wait"
+        return text
+
+
+def _si(x: float) -> str:
+    """12784 -> 12.8k, 950 -> 950."""
+    return f"{x / 1000:.1f}k" if x >= 1000 else f"{x:.0f}"
 
 
 @dataclass(eq=False, slots=True)
@@ -150,10 +206,20 @@ class _Work:
     last_server: str = ""
     errors: list[str] = field(default_factory=list)
     seq: int = 0  # arrival number: ties in job.order go first come, first served
+    counted: bool = True  # holds a place under queue_limit (until first sent, or done without being sent)
 
     def queue_key(self, requeued: bool) -> tuple[int, tuple[int, ...], int]:
         # Requeued work (its server went down, or a retry came due) goes before anything not yet started.
         return (0 if requeued else 1, self.job.order, self.seq)
+
+
+@dataclass(order=True, slots=True)
+class _Blocked:
+    """A submitter waiting for room: ordered by (plan position, arrival)."""
+
+    key: tuple[tuple[int, ...], int]
+    event: threading.Event = field(default_factory=threading.Event, compare=False)
+    granted: bool = field(default=False, compare=False)
 
 
 @dataclass(eq=False, slots=True)
@@ -216,6 +282,7 @@ class Dispatcher:
         endpoints: list[ServerEndpoint],
         *,
         queue_depth: int = 4,
+        queue_rounds: int = 1,
         max_attempts: int = 8,
         max_protocol_errors: int = 3,
         backoff_base_s: float = 0.5,
@@ -239,6 +306,7 @@ class Dispatcher:
         if len({e.name for e in endpoints}) != len(endpoints):
             raise ValueError("endpoint names must be unique")
         self.queue_depth = queue_depth
+        self.queue_rounds = queue_rounds
         self.max_attempts = max_attempts
         self.max_protocol_errors = max_protocol_errors
         self.backoff_base_s = backoff_base_s
@@ -257,7 +325,10 @@ class Dispatcher:
         self._rng = random.Random(seed)
         factory = client_factory or (lambda e: SGLangClient(e, max_connections=max_connections_per_server))
 
-        self._servers = [_Server(endpoint=e, client=factory(e)) for e in endpoints]
+        # Capacity known from provisioning (its /server_info) seeds the server until the dispatcher reads it itself.
+        self._servers = [
+            _Server(endpoint=e, client=factory(e), capacity=e.max_running_requests or 0) for e in endpoints
+        ]
         # Waiting requests as a heap of (Work.queue_key(), work): plan order, requeued work first.
         self._pending: list[tuple[tuple[int, tuple[int, ...], int], _Work]] = []
         self._arrivals = itertools.count()
@@ -270,6 +341,13 @@ class Dispatcher:
         self._done_times: collections.deque[tuple[float, int]] = collections.deque()
         self._c = collections.Counter[str]()
         self._fatal: EngineError | None = None  # the error that took the last server out for good
+        # Back-pressure, shared with submitting threads (everything below under _room_lock): requests accepted
+        # and never sent yet, the live limit on them, and the submitters waiting for a place, lowest plan first.
+        self._room_lock = threading.Lock()
+        self._unsent = 0
+        self._queue_limit = self._compute_queue_limit()
+        self._blocked: list[_Blocked] = []
+        self._tickets = itertools.count()
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="datagen-dispatcher", daemon=True)
@@ -277,16 +355,26 @@ class Dispatcher:
 
     # --- public, thread-safe ---------------------------------------------------------------------
 
-    def submit(self, job: GenerateJob) -> concurrent.futures.Future[GenerateResult]:
-        """Queue one request; callable from any thread."""
-        if self._closed:
-            raise DispatcherClosed("dispatcher is closed")
+    def submit(self, job: GenerateJob, *, timeout: float | None = None) -> concurrent.futures.Future[GenerateResult]:
+        """Queue one request once the queue has room (blocks meanwhile); callable from any thread.
+
+        Raises `SubmitTimeout` when no room came within `timeout` seconds (nothing was queued), and
+        `DispatcherClosed` once the dispatcher is closed.
+        """
+        self._admit(job.order, timeout)
         fut: concurrent.futures.Future[GenerateResult] = concurrent.futures.Future()
-        self._loop.call_soon_threadsafe(self._enqueue, _Work(job=job, future=fut))
+        work = _Work(job=job, future=fut)
+        # Frees the place however the request ends without being sent (cancelled while queued, failed early).
+        fut.add_done_callback(lambda _: self._release(work))
+        try:
+            self._loop.call_soon_threadsafe(self._enqueue, work)
+        except RuntimeError as exc:  # loop already stopped by close()
+            self._release(work)
+            raise DispatcherClosed("dispatcher is closed") from exc
         return fut
 
     def add_expected(self, n: int) -> None:
-        """Announce `n` more requests to come (for the ETA only)."""
+        """Announce `n` more requests to come, or `-n` fewer than announced (for `unsent` and the ETA only)."""
         self._loop.call_soon_threadsafe(self._c.update, {"expected": n})
 
     def wait_ready(self, timeout_s: float = 60.0) -> bool:
@@ -295,9 +383,10 @@ class Dispatcher:
         return any(s.state == "up" for s in self._servers)
 
     @property
-    def total_target(self) -> int:
-        """Requests the dispatcher keeps in flight when every server is up (a good submission window)."""
-        return sum(max(s.target, s.capacity + self.queue_depth) for s in self._servers if s.state != "fatal")
+    def queue_limit(self) -> int:
+        """Requests the queue takes before `submit` blocks (now: it follows what the dispatcher learns)."""
+        with self._room_lock:
+            return self._queue_limit
 
     def stats(self) -> DispatcherStats:
         """A consistent snapshot of the counters."""
@@ -308,6 +397,9 @@ class Dispatcher:
         if self._closed:
             return
         self._closed = True
+        with self._room_lock:
+            for blocked in self._blocked:
+                blocked.event.set()  # not granted: it raises DispatcherClosed
         try:
             asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=30)
         finally:
@@ -319,6 +411,62 @@ class Dispatcher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # --- back-pressure (any thread) -----------------------------------------------------------------
+
+    def _admit(self, order: tuple[int, ...], timeout: float | None) -> None:
+        """Take a place under queue_limit, waiting (lowest plan position first) while there is none."""
+        with self._room_lock:
+            if self._closed:
+                raise DispatcherClosed("dispatcher is closed")
+            if not self._blocked and self._unsent < self._queue_limit:
+                self._unsent += 1
+                return
+            me = _Blocked((order, next(self._tickets)))
+            bisect.insort(self._blocked, me)
+            self._grant()
+        me.event.wait(timeout)
+        with self._room_lock:
+            if me.granted:
+                return
+            self._blocked.remove(me)
+            self._grant()  # whoever was behind may fit now
+        if self._closed:
+            raise DispatcherClosed("dispatcher is closed")
+        raise SubmitTimeout(f"no room in the dispatcher's queue within {timeout} s (limit {self._queue_limit})")
+
+    def _grant(self) -> None:
+        """Let in blocked submitters, lowest plan position first, while there is room (caller holds the lock)."""
+        while self._blocked and self._unsent < self._queue_limit and not self._closed:
+            first = self._blocked.pop(0)
+            first.granted = True
+            self._unsent += 1
+            first.event.set()
+
+    def _release(self, work: _Work) -> None:
+        """A request left the not-yet-sent count (sent, or done without being sent); idempotent."""
+        with self._room_lock:
+            if work.counted:
+                work.counted = False
+                self._unsent -= 1
+                self._grant()
+
+    def _compute_queue_limit(self) -> int:
+        """`queue_rounds` x every usable server's capacity plus its queue; seeded until the server answers."""
+        total = 0
+        for s in self._servers:
+            if s.state == "fatal":
+                continue
+            capacity = s.capacity or s.endpoint.max_running_requests or self.default_capacity
+            total += min(capacity + self.queue_depth, self.max_connections_per_server - 4)
+        return max(1, total * self.queue_rounds)  # every server fatal: requests are let in and fail at once
+
+    def _update_queue_limit(self) -> None:
+        limit = self._compute_queue_limit()
+        with self._room_lock:
+            if limit != self._queue_limit:
+                self._queue_limit = limit
+                self._grant()
 
     # --- loop side ---------------------------------------------------------------------------------
 
@@ -357,6 +505,7 @@ class Dispatcher:
             server.state, server.last_error = "fatal", str(exc)
             self._fatal = exc
             logger.error("%s", exc)
+            self._update_queue_limit()
             return False
         except EngineError as exc:
             server.state, server.last_error = "down", str(exc)
@@ -365,6 +514,7 @@ class Dispatcher:
         server.capacity = capacity
         server.target = min(capacity + self.queue_depth, self.max_connections_per_server - 4)
         server.state, server.consecutive_failures = "up", 0
+        self._update_queue_limit()
         logger.info("server %s up: %d running slots, keeping %d in flight", server.name, capacity, server.target)
         return True
 
@@ -409,8 +559,9 @@ class Dispatcher:
                 continue
             if not work.started:
                 if not work.future.set_running_or_notify_cancel():
-                    continue  # cancelled by the submitter while queued
+                    continue  # cancelled by the submitter while queued (its done-callback freed the place)
                 work.started = True
+                self._release(work)
             task = self._loop.create_task(self._attempt(server, work))
             server.inflight[task] = work
 
@@ -450,6 +601,7 @@ class Dispatcher:
         elif isinstance(exc, AuthError):
             server.state, server.last_error = "fatal", str(exc)
             logger.error("%s", exc)
+            self._update_queue_limit()
             self._requeue_front(server)
             self._requeue_now(work)
             if all(s.state == "fatal" for s in self._servers):
@@ -464,11 +616,13 @@ class Dispatcher:
                 self._charge(server, work, exc)
             else:
                 self._requeue_now(work)
-            if isinstance(exc.__cause__, httpx.ConnectError | httpx.ConnectTimeout):
-                self._mark_down(server, str(exc))  # nothing listens: down for sure
+            if isinstance(exc.__cause__, httpx.ConnectError):
+                self._mark_down(server, str(exc))  # refused: nothing listens, down for sure
             elif not server.checking:
-                # A dropped connection alone is not proof: under load a kept-alive connection that the server
-                # closed as idle races with its reuse (ReadError). Only a failed health probe marks it down.
+                # A dropped connection or a connect timeout alone is not proof: under load a kept-alive connection
+                # that the server closed as idle races with its reuse (ReadError), and a starved server (or client)
+                # accepts late. Marking it down would throw away every request running there; only a failed health
+                # probe does that.
                 self._spawn(self._check_health(server))
         elif isinstance(exc, TransientError | ProtocolError):
             self._charge(server, work, exc)
@@ -650,11 +804,16 @@ class Dispatcher:
 
     async def _log_progress(self) -> None:
         last = -1
+        underfed_before = False
         while not self._closed:
             await asyncio.sleep(self.log_interval_s)
             done = self._c["completed"] + self._c["rejected"] + self._c["failed"]
             if done != last or self._busy():
-                logger.info("%s", (await self._snapshot()).line())
+                stats = await self._snapshot()
+                # Underfed at two lines in a row is no refill race: say it louder.
+                level = logging.WARNING if stats.underfed and underfed_before else logging.INFO
+                logger.log(level, "%s", stats.line())
+                underfed_before = bool(stats.underfed)
                 last = done
 
     async def _snapshot(self) -> DispatcherStats:
@@ -679,8 +838,11 @@ class Dispatcher:
                     output_tokens=s.output_tokens,
                     tokens_per_s=sum(t for _, t in s.recent) / window,
                     last_error=s.last_error,
+                    running=s.load.num_running_reqs if s.load else None,
                 )
             )
+        with self._room_lock:
+            limit, blocked = self._queue_limit, len(self._blocked)
         rate = len(self._done_times) / window
         finished = self._c["completed"] + self._c["rejected"] + self._c["failed"]
         remaining = max(self._c["expected"] - finished, 0) if self._c["expected"] else self._c["submitted"] - finished
@@ -699,6 +861,9 @@ class Dispatcher:
             output_tokens_per_s=sum(t for _, t in self._done_times) / window,
             eta_s=remaining / rate if rate > 0 else None,
             servers=servers,
+            unsent=max(self._c["expected"] - self._c["submitted"], 0),
+            queue_limit=limit,
+            blocked_submitters=blocked,
         )
 
     async def _shutdown(self) -> None:
