@@ -12,7 +12,6 @@ import json
 import logging
 import time
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any, cast
 from uuid import UUID
 
@@ -42,6 +41,7 @@ from datagen.settings import Settings
 from datagen.storage import ObjectStore, s3_preflight
 from tasks import (
     environment,
+    finishing,
     generation,
     ordering,
     pilot,
@@ -123,9 +123,14 @@ generate_shard_task = task(
     retries=2,
     retry_delay_seconds=[10, 60],
 )(_generate_shard)
+# Validation and tokenization stream: one run per shard as soon as it (and every shard before it) is generated.
+finish_shard_task = task(
+    name="validate and tokenize", task_run_name="validate+tokenize shard-{result.shard_id:05d}", cache_policy=NO_CACHE
+)(finishing.finish_shard)
+close_validation_task = task(name="validation summary", cache_policy=NO_CACHE)(finishing.close_validation)
+close_tokenization_task = task(name="tokenized files", cache_policy=NO_CACHE)(finishing.close_tokenization)
 validate_task = task(name="validate", cache_policy=NO_CACHE)(validation.validate_shards)
 gate_task = task(name="quality gate", cache_policy=NO_CACHE)(validation.check_quality_gate)
-tokenize_task = task(name="tokenize", cache_policy=NO_CACHE)(tokenization.tokenize_accepted)
 publish_task = task(name="publish", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)(publishing.publish)
 import_pilot_task = task(name="reuse pilot completions", cache_policy=NO_CACHE)(pilot.import_pilot)
 catalog_task = task(name="catalog prompt ids", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)(
@@ -140,14 +145,18 @@ def finish_dataset(
     n_load_rejects: int,
     shard_results: list[generation.ShardResult],
     run_id: str | None,
+    stream: finishing.StreamingFinish | None = None,
 ) -> tokenization.TokenizationSummary:
-    """Validate, gate, tokenize, gate again and write the dataset card: everything between generation and publish."""
-    summary = validate_task(
-        [Path(r.completions_path) for r in shard_results],
-        layout.validated_dir,
-        spec.validation,
-        spec.sampling.enable_thinking,
-    )
+    """Gate what the stream validated, close tokenization, gate again and write the dataset card.
+
+    Without a `stream` (callers that did not finish shards while generating), every shard is finished here.
+    """
+    if stream is None:
+        stream = finishing.StreamingFinish([r.shard_id for r in shard_results], layout, chat, spec)
+        for result in shard_results:
+            for ready in stream.ready(result):
+                finish_shard_task(stream, ready)
+    summary = close_validation_task(stream)
     upstream_rejects = n_load_rejects + sum(r.n_rejected for r in shard_results)
     gate = gate_task(summary, spec.quality_gate, upstream_rejects)
     create_markdown_artifact(
@@ -156,18 +165,7 @@ def finish_dataset(
     if not gate.passed:
         raise validation.QualityGateError(gate.text)
 
-    reject_paths = [
-        layout.load_rejects,
-        *(Path(r.rejects_path) for r in shard_results),
-        *(Path(p) for p in summary.reject_paths),
-    ]
-    tokenized = tokenize_task(
-        [Path(p) for p in summary.accepted_paths],
-        layout.staging_dir,
-        chat,
-        spec.sampling.enable_thinking,
-        extra_reject_paths=reject_paths,
-    )
+    tokenized = close_tokenization_task(stream)
     # Rows can still fail the token round-trip check: the gate sees the final counts before anything ships.
     final_gate = gate_task(summary, spec.quality_gate, upstream_rejects, tokenized.tokenize_rejected)
     if not final_gate.passed:
@@ -247,6 +245,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         progress_id = cast(
             UUID, create_progress_artifact(progress=0.0, key="generation-progress", description="shards done (%)")
         )
+        stream = finishing.StreamingFinish(plan.shard_ids, layout, chat, spec)
         with Dispatcher(fleet.endpoints, on_server_down=fleet.restart) as dispatcher:
             futures: list[PrefectFuture[generation.ShardResult]] = [
                 generate_shard_task.with_options(result_storage=layout.root / "task-results").submit(
@@ -256,6 +255,8 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
             ]
             for future in as_completed(futures):
                 shard_results.append(future.result())
+                for ready in stream.ready(shard_results[-1]):
+                    finish_shard_task(stream, ready)
                 update_progress_artifact(artifact_id=progress_id, progress=100.0 * len(shard_results) / len(futures))
                 logger.info("%s", dispatcher.stats().line())
         server_version = fleet.engine_version
@@ -263,7 +264,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         fleet.stop()
 
     shard_results.sort(key=lambda r: r.shard_id)
-    tokenized = finish_dataset(spec, layout, chat, plan.n_load_rejects, shard_results, run_id)
+    tokenized = finish_dataset(spec, layout, chat, plan.n_load_rejects, shard_results, run_id, stream)
     lineage = {
         "run_spec": spec.model_dump(mode="json"),
         "model_path": spec.model_path,
