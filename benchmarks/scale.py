@@ -81,13 +81,15 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _tree(root: int) -> list[int]:
-    seen, todo = [], [root]
+def _tree(root: int) -> list[tuple[int, int | None]]:
+    """(pid, parent pid) of every process under `root`, parents first."""
+    seen: list[tuple[int, int | None]] = []
+    todo: list[tuple[int, int | None]] = [(root, None)]
     while todo:
-        pid = todo.pop()
-        if pid not in seen:
-            seen.append(pid)
-            todo.extend(_children(pid))
+        pid, parent = todo.pop(0)
+        if all(pid != p for p, _ in seen):
+            seen.append((pid, parent))
+            todo.extend((c, pid) for c in _children(pid))
     return seen
 
 
@@ -133,15 +135,19 @@ class TreeSampler:
     def sample(self) -> None:
         rss: dict[str, int] = {}
         for root, forced in self.roots.items():
-            for pid in _tree(root):
+            named: dict[int, str] = {}
+            for pid, parent in _tree(root):
                 st = _proc_stat(pid)
                 if st is None:
                     continue
                 cpu, resident, start = st
                 key = (pid, start)
-                name = self._last_cpu.get(key, (None, 0.0))[0] or forced or _group(pid, root, None)
-                if forced is None and pid == root:
-                    name = "pipeline"
+                # A child of a stand-in (or of the Prefect server) belongs to it; otherwise classify by command.
+                inherited = named.get(parent) if parent is not None else None
+                if inherited == "pipeline":
+                    inherited = None
+                name = forced or inherited or self._last_cpu.get(key, ("", 0.0))[0] or _group(pid, root, None)
+                named[pid] = name
                 self._last_cpu[key] = (name, cpu)
                 rss[name] = rss.get(name, 0) + resident
                 if name == "pipeline" and pid == root:

@@ -463,11 +463,13 @@ class Dispatcher:
                 self._charge(server, work, exc)
             else:
                 self._requeue_now(work)
-            if isinstance(exc.__cause__, httpx.ConnectError | httpx.ConnectTimeout):
-                self._mark_down(server, str(exc))  # nothing listens: down for sure
+            if isinstance(exc.__cause__, httpx.ConnectError):
+                self._mark_down(server, str(exc))  # refused: nothing listens, down for sure
             elif not server.checking:
                 # A dropped connection alone is not proof: under load a kept-alive connection that the server
-                # closed as idle races with its reuse (ReadError). Only a failed health probe marks it down.
+                # closed as idle races with its reuse (ReadError), and a busy server's full accept backlog
+                # times connects out (seen at 10K prompts on 2 loaded cores: a healthy stand-in restarted,
+                # its 131 requests resent). Only a failed health probe marks it down.
                 self._spawn(self._check_health(server))
         elif isinstance(exc, TransientError | ProtocolError):
             self._charge(server, work, exc)
