@@ -81,6 +81,7 @@ def _check_environment(settings: Settings, spec: RunSpec, store: ObjectStore) ->
     # Before the GPU checks: servers a killed run left behind would hold the GPUs and fail them.
     for line in provisioning.stop_leftover_servers(settings):
         get_run_logger().warning("stopped a server left running by a pipeline that was killed: %s", line)
+    provisioning.record_prefect_server(settings)
     results = environment.run_checks(settings, spec, s3_check=lambda: s3_preflight(store, spec.namespace, resume=True))
     create_table_artifact(
         table=environment.report_rows(results),
