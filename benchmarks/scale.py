@@ -721,12 +721,13 @@ def main(argv: list[str] | None = None) -> int:
 
         modes = ["embedded", "server"] if args.prefect == "both" else [args.prefect]
         root = Path(tempfile.mkdtemp(prefix="datagen-scale-"))
+        machine = _machine()  # the commit measured is the one the runs start from
         with LocalS3(root / "s3") as s3:
             for n in args.prompts:
                 for mode in modes:
                     print(f"running {n:,} prompts on {mode} Prefect (load {_loadavg()}) ...", flush=True)
                     r = run_once(n, mode, s3, root, args.servers, args.shard_size)
-                    r["machine"] = _machine()
+                    r["machine"] = machine
                     results.append(r)
                     print(table([r]).splitlines()[-1], flush=True)
                     args.out.write_text(json.dumps({"runs": results, "fits": fits(results)}, indent=1))
