@@ -33,6 +33,7 @@ from contextlib import contextmanager, suppress
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 __all__ = ["fit_power", "main"]
 
@@ -246,7 +247,7 @@ def _task_runs(flow_run_id: str) -> list[dict[str, Any]]:
             if len(page) < 200:
                 break
             offset += 200
-        flow_run = client.read_flow_run(flow_run_id)
+        flow_run = client.read_flow_run(UUID(flow_run_id))
     runs.append(
         {
             "name": "__flow__",
@@ -735,10 +736,10 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run(["rm", "-rf", str(root)], check=False)
         else:
             print(f"run directories kept under {root}")
-    out = {"runs": results, "fits": fits(results)}
-    args.out.write_text(json.dumps(out, indent=1))
+    fitted = fits(results)
+    args.out.write_text(json.dumps({"runs": results, "fits": fitted}, indent=1))
     print(table(results))
-    for mode, f in out["fits"].items():
+    for mode, f in fitted.items():
         print(f"\n{mode}: growth exponent b (cost ~ N**b) and extrapolation to 1M prompts")
         for key in ("wall_s", "pipeline_peak_rss_mb", "prefect_server_cpu_s", "prefect_db_bytes", "task_runs"):
             if key in f:

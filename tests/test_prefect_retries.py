@@ -13,7 +13,7 @@ from tests.prefect_fixtures import CLIENT_RETRY_ENV, PrefectApi, RetryingTranspo
 class Flaky:
     """Answers the first `failures` requests with `fail` (a status code or an exception), then 204."""
 
-    def __init__(self, failures: int, fail: int | type[Exception]) -> None:
+    def __init__(self, failures: int, fail: int | type[httpx.TransportError]) -> None:
         self.failures = failures
         self.fail = fail
         self.seen: list[tuple[str, str, bytes]] = []
@@ -35,7 +35,7 @@ def _api(handler: Flaky, attempts: int = 6) -> PrefectApi:
 
 
 @pytest.mark.parametrize("fail", [503, 502, 429, httpx.ConnectError, httpx.ReadTimeout, httpx.RemoteProtocolError])
-def test_schedule_update_is_retried_until_the_server_answers(fail: int | type[Exception]) -> None:
+def test_schedule_update_is_retried_until_the_server_answers(fail: int | type[httpx.TransportError]) -> None:
     handler = Flaky(3, fail)
     api = _api(handler)
     response = api.client.patch("/deployments/d/schedules/s", json={"active": True})
