@@ -113,18 +113,20 @@ def write_part(store: ObjectStore, namespace: str, staging_dir: Path) -> int:
 
 
 def _put_part(store: ObjectStore, namespace: str, body: bytes) -> int:
-    ours = pq.read_table(io.BytesIO(body), columns=["prompt_id"]).column("prompt_id").to_pylist()
+    table = pq.read_table(io.BytesIO(body), columns=["prompt_id"])
     key = part_key(namespace)
     try:
         store.put_if_absent(key, body)
     except ObjectExists:
+        # Python strings only here: a million ids as a list cost ~100 MB at the end of every run (scale benchmark).
+        ours = set(table.column("prompt_id").to_pylist())
         theirs = _part_ids(store, namespace)
-        if theirs != set(ours):
+        if theirs != ours:
             raise CatalogError(
                 f"{store.uri(key)} already exists and lists {len(theirs)} prompt ids, but namespace {namespace!r} "
                 f"holds {len(ours)} different ones; the catalog part was not replaced"
             ) from None
-    return len(ours)
+    return int(table.num_rows)
 
 
 def _part_ids(store: ObjectStore, namespace: str) -> set[str]:

@@ -26,6 +26,9 @@ def _quiet_prefect_defaults() -> None:
     # The embedded server migrates a fresh database on its first start: 16 s measured on 2 cores, over
     # Prefect's 20 s limit when the machine is busy (a fresh clone's demo failed that way).
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    # Prefect's client retries 503 (a busy SQLite) and connection errors with 2**n s backoff: 7 tries ride out
+    # about 4 minutes of a loaded server instead of the default 5 (about 1 minute).
+    os.environ.setdefault("PREFECT_CLIENT_MAX_RETRIES", "7")
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from datagen.settings import Settings
 from datagen.storage import ObjectStore, s3_preflight
 from tasks import (
     environment,
+    finishing,
     generation,
     ordering,
     pilot,
@@ -81,6 +82,7 @@ def _check_environment(settings: Settings, spec: RunSpec, store: ObjectStore) ->
     # Before the GPU checks: servers a killed run left behind would hold the GPUs and fail them.
     for line in provisioning.stop_leftover_servers(settings):
         get_run_logger().warning("stopped a server left running by a pipeline that was killed: %s", line)
+    provisioning.record_prefect_server(settings)
     results = environment.run_checks(settings, spec, s3_check=lambda: s3_preflight(store, spec.namespace, resume=True))
     create_table_artifact(
         table=environment.report_rows(results),
@@ -153,7 +155,12 @@ def _quality_gate(
 validate_task = task(name="validate", cache_policy=NO_CACHE)(validation.validate_shards)
 load_gate_task = task(name="quality gate on load rejects", cache_policy=NO_CACHE)(planning.check_plan)
 gate_task = task(name="quality gate", cache_policy=NO_CACHE)(_quality_gate)
-tokenize_task = task(name="tokenize", cache_policy=NO_CACHE)(tokenization.tokenize_accepted)
+# Validation and tokenization stream: one run per shard as soon as it (and every shard before it) is generated.
+finish_shard_task = task(
+    name="validate and tokenize", task_run_name="validate+tokenize shard-{result.shard_id:05d}", cache_policy=NO_CACHE
+)(finishing.finish_shard)
+close_validation_task = task(name="validation summary", cache_policy=NO_CACHE)(finishing.close_validation)
+close_tokenization_task = task(name="tokenized files", cache_policy=NO_CACHE)(finishing.close_tokenization)
 publish_task = task(name="publish", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)(publishing.publish)
 import_pilot_task = task(name="reuse pilot completions", cache_policy=NO_CACHE)(pilot.import_pilot)
 catalog_task = task(name="catalog prompt ids", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)(
@@ -168,14 +175,18 @@ def finish_dataset(
     n_load_rejects: int,
     shard_results: list[generation.ShardResult],
     run_id: str | None,
+    stream: finishing.StreamingFinish | None = None,
 ) -> tokenization.TokenizationSummary:
-    """Validate, gate, tokenize, gate again and write the dataset card: everything between generation and publish."""
-    summary = validate_task(
-        [Path(r.completions_path) for r in shard_results],
-        layout.validated_dir,
-        spec.validation,
-        spec.sampling.enable_thinking,
-    )
+    """Gate what the stream validated, close tokenization, gate again and write the dataset card.
+
+    Without a `stream` (callers that did not finish shards while generating), every shard is finished here.
+    """
+    if stream is None:
+        stream = finishing.StreamingFinish([r.shard_id for r in shard_results], layout, chat, spec)
+        for result in shard_results:
+            for ready in stream.ready(result):
+                finish_shard_task(stream, ready)
+    summary = close_validation_task(stream)
     reject_paths = [
         layout.load_rejects,
         *(Path(r.rejects_path) for r in shard_results),
@@ -183,13 +194,7 @@ def finish_dataset(
     ]
     upstream_reasons = validation.count_reject_reasons(reject_paths[: 1 + len(shard_results)])
     gate_task(summary, spec.quality_gate, upstream_reasons, [str(p) for p in reject_paths])
-    tokenized = tokenize_task(
-        [Path(p) for p in summary.accepted_paths],
-        layout.staging_dir,
-        chat,
-        spec.sampling.enable_thinking,
-        extra_reject_paths=reject_paths,
-    )
+    tokenized = close_tokenization_task(stream)
     # Rows can still fail the token round-trip check: the gate sees the final counts before anything ships.
     published_rejects = [str(layout.staging_dir / f) for f in tokenized.reject_files]
     final = gate_task(summary, spec.quality_gate, upstream_reasons, published_rejects, tokenized.tokenize_rejected)
@@ -308,6 +313,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
     # Servers only for shards with work left: a retry whose shards are all checkpointed loads no model.
     pending = pending_task(plan.shard_ids, layout, chat, spec)
     final_stats = None
+    stream: finishing.StreamingFinish | None = None  # set when servers run; otherwise finish_dataset makes one
     throughput: list[tuple[str, float]] = []
     server_version = None
     if not any(pending.values()):
@@ -331,6 +337,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
             # A named task, so a server that fails to start shows as a red task with its log lines.
             start_servers_task(fleet)
             clock.mark("server start")
+            stream = finishing.StreamingFinish(plan.shard_ids, layout, chat, spec)
             with (
                 Dispatcher(fleet.endpoints, on_server_down=fleet.restart) as dispatcher,
                 report.ProgressReporter(
@@ -349,7 +356,10 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
                     )
                     for shard_id in plan.shard_ids
                 ]
-                shard_results = [f.result() for f in as_completed(futures)]
+                for future in as_completed(futures):
+                    shard_results.append(future.result())
+                    for ready in stream.ready(shard_results[-1]):
+                        finish_shard_task(stream, ready)  # validated and tokenized while later shards generate
             final_stats, throughput = progress.last_stats, progress.throughput_series()
             if final_stats is not None:
                 logger.info("%s", final_stats.line())
@@ -359,7 +369,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
     clock.mark("generation")
 
     shard_results.sort(key=lambda r: r.shard_id)
-    tokenized = finish_dataset(spec, layout, chat, plan.n_load_rejects, shard_results, run_id)
+    tokenized = finish_dataset(spec, layout, chat, plan.n_load_rejects, shard_results, run_id, stream)
     clock.mark("validation + tokenization")
     lineage = {
         "run_spec": spec.model_dump(mode="json"),

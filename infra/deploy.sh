@@ -11,6 +11,9 @@ if [ -z "${PREFECT_API_URL:-}" ]; then
   echo "deploy.sh: set PREFECT_API_URL to the server's API, e.g. http://127.0.0.1:4200/api" >&2
   exit 2
 fi
+# Prefect's client retries 408/429/502/503 and connection errors with 2**n s backoff; 7 tries (~4 min) ride out
+# a server whose SQLite is busy under load (default 5, ~1 min). An explicit setting wins.
+export PREFECT_CLIENT_MAX_RETRIES="${PREFECT_CLIENT_MAX_RETRIES:-7}"
 prefect_bin=${PREFECT_BIN:-}
 if [ -z "$prefect_bin" ]; then
   if [ -x .venv/bin/prefect ]; then prefect_bin=.venv/bin/prefect; else prefect_bin=prefect; fi

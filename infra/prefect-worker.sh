@@ -18,6 +18,9 @@ if [ ! -f "$DATAGEN_HOME/prefect.yaml" ]; then
   echo "prefect-worker.sh: DATAGEN_HOME=$DATAGEN_HOME is not a datagen checkout (no prefect.yaml)" >&2
   exit 2
 fi
+# Prefect's client retries 408/429/502/503 and connection errors with 2**n s backoff; 7 tries (~4 min) ride out
+# a server whose SQLite is busy under load (default 5, ~1 min). An explicit setting wins.
+export PREFECT_CLIENT_MAX_RETRIES="${PREFECT_CLIENT_MAX_RETRIES:-7}"
 prefect_bin=${PREFECT_BIN:-}
 if [ -z "$prefect_bin" ]; then
   if [ -x "$DATAGEN_HOME/.venv/bin/prefect" ]; then prefect_bin="$DATAGEN_HOME/.venv/bin/prefect"; else prefect_bin=prefect; fi

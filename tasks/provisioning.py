@@ -16,10 +16,19 @@ from pydantic import SecretStr
 
 from datagen.engine.launcher import ServerFleet, ServerStartError, reap_orphaned_servers
 from datagen.layout import RunLayout
+from datagen.prefect_reaper import reap_orphaned_prefect_servers, record_embedded_prefect_server
 from datagen.runspec import RunSpec
 from datagen.settings import Settings
 
-__all__ = ["ServerFleet", "ServerStartError", "api_key_for", "new_api_key", "provision", "stop_leftover_servers"]
+__all__ = [
+    "ServerFleet",
+    "ServerStartError",
+    "api_key_for",
+    "new_api_key",
+    "provision",
+    "record_prefect_server",
+    "stop_leftover_servers",
+]
 
 
 def api_key_for(settings: Settings) -> SecretStr:
@@ -40,8 +49,15 @@ def provision(settings: Settings, spec: RunSpec, layout: RunLayout, api_key: Sec
 def stop_leftover_servers(settings: Settings) -> list[str]:
     """Stop servers that an earlier pipeline on this box started and, killed, never stopped; what was stopped.
 
-    Only servers recorded under `settings.work_dir` whose pipeline process is gone; attach mode never stops any.
+    Only servers recorded under `settings.work_dir` whose pipeline process is gone: generation servers (attach
+    mode never stops any) and embedded Prefect servers (`record_prefect_server`).
     """
+    prefect = reap_orphaned_prefect_servers(settings.work_dir)
     if settings.server_urls:
-        return []
-    return reap_orphaned_servers(settings.work_dir)
+        return prefect
+    return reap_orphaned_servers(settings.work_dir) + prefect
+
+
+def record_prefect_server(settings: Settings) -> None:
+    """Record this pipeline's embedded Prefect server, if any, so a run after a SIGKILL can stop it."""
+    record_embedded_prefect_server(settings.work_dir)

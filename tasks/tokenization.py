@@ -34,6 +34,7 @@ from tasks.validation import MalformedRecord, iter_jsonl_completions
 __all__ = [
     "TOKENIZE_REASONS",
     "RowRejected",
+    "StreamingTokenizer",
     "TokenizationMode",
     "TokenizationSummary",
     "build_rerendered",
@@ -307,6 +308,115 @@ def _clean(directory: Path, pattern: str) -> None:
     tmp.mkdir()
 
 
+class StreamingTokenizer:
+    """Tokenizes accepted shards one at a time into the staging dir; `close()` names the files and returns the summary.
+
+    The streaming form of `tokenize_accepted`: shards arrive as they are validated (while others still
+    generate), parquet parts stay open across shards, and only the final renames wait for the last shard.
+    Existing `data/train-*.parquet` and `rejects/rejects-*.parquet` are removed on construction.
+    """
+
+    def __init__(
+        self,
+        staging_dir: Path,
+        chat: ChatTokenizer,
+        enable_thinking: bool,
+        rows_per_file: int = 10_000,
+        mode: TokenizationMode = "token_exact",
+        batch_size: int = 256,
+    ) -> None:
+        if rows_per_file < 1 or batch_size < 1:
+            raise ValueError("rows_per_file and batch_size must be >= 1")
+        self.staging_dir = staging_dir
+        self.chat = chat
+        self.enable_thinking = enable_thinking
+        self.mode: TokenizationMode = mode
+        self.batch_size = batch_size
+        self._data_dir, self._rejects_dir = staging_dir / "data", staging_dir / "rejects"
+        _clean(self._data_dir, "train-*.parquet")
+        _clean(self._rejects_dir, "rejects-*.parquet")
+        self._data = _ParquetParts(self._data_dir / ".parts", TOKEN_ROW_SCHEMA, rows_per_file)
+        self._rejects = _ParquetParts(self._rejects_dir / ".parts", REJECT_SCHEMA, 1_000_000)
+        self.summary = TokenizationSummary(mode=mode)
+        self._pending: list[Reject] = []
+
+    def _reject(self, r: Reject) -> None:
+        summary = self.summary
+        summary.rejects_total += 1
+        summary.rejects_by_stage[r.stage] = summary.rejects_by_stage.get(r.stage, 0) + 1
+        key = f"{r.stage}/{r.reason}"
+        summary.rejects_by_reason[key] = summary.rejects_by_reason.get(key, 0) + 1
+        if r.stage == "tokenize":
+            summary.tokenize_rejected += 1
+        self._pending.append(r)
+        if len(self._pending) >= 10_000:
+            self._rejects.write(_reject_batch(self._pending))
+            self._pending.clear()
+
+    def add_rejects(self, path: Path) -> None:
+        """Merge an earlier stage's reject JSONL (load, generate, validate) into the rejects dataset."""
+        path = Path(path)
+        if not path.exists():
+            self.summary.missing_reject_paths.append(str(path))
+            return
+        for r in _read_rejects(path):
+            self._reject(r)
+
+    def add_accepted(self, path: Path) -> None:
+        """Tokenize one accepted-completions JSONL file."""
+        summary = self.summary
+        for batch in _batches([Path(path)], self.batch_size):
+            rows: list[TokenRow] = []
+            completions: list[Completion] = []
+            for src, lineno, item in batch:
+                if isinstance(item, MalformedRecord):
+                    self._reject(Reject("tokenize", "malformed_record", f"{src.name}:{lineno}: {item}", src.name))
+                else:
+                    completions.append(item)
+            built = _build_batch(completions, self.chat, self.enable_thinking, self.mode)
+            for c, result in zip(completions, built, strict=True):
+                if isinstance(result, RowRejected):
+                    self._reject(
+                        Reject(
+                            "tokenize",
+                            result.reason,
+                            result.detail,
+                            c.source,
+                            c.row,
+                            c.prompt_id,
+                            len(c.output_ids),
+                            location=c.location,
+                        )
+                    )
+                else:
+                    rows.append(result)
+            if rows:
+                self._data.write(_token_batch(rows))
+            for row in rows:
+                summary.rows += 1
+                summary.input_tokens += len(row.input_ids)
+                summary.prompt_tokens += row.prompt_tokens
+                summary.loss_tokens.add(sum(row.loss_mask))
+                summary.rows_by_source[row.source] = summary.rows_by_source.get(row.source, 0) + 1
+                cat = row.category or NO_CATEGORY
+                summary.rows_by_category[cat] = summary.rows_by_category.get(cat, 0) + 1
+
+    def close(self) -> TokenizationSummary:
+        """Close the parquet parts, give them their final `-of-N` names and return what was written."""
+        summary = self.summary
+        if self._pending:
+            self._rejects.write(_reject_batch(self._pending))
+            self._pending.clear()
+        data_files = _finalize(self._data.close(), self._data_dir, "train")
+        reject_files = _finalize(self._rejects.close(), self._rejects_dir, "rejects")
+        (self._data_dir / ".parts").rmdir()
+        (self._rejects_dir / ".parts").rmdir()
+        summary.data_files = [str(p.relative_to(self.staging_dir)) for p in data_files]
+        summary.reject_files = [str(p.relative_to(self.staging_dir)) for p in reject_files]
+        summary.data_bytes = sum(p.stat().st_size for p in data_files)
+        return summary
+
+
 def tokenize_accepted(
     accepted_paths: Sequence[Path],
     staging_dir: Path,
@@ -322,81 +432,12 @@ def tokenize_accepted(
     `extra_reject_paths` are reject JSONL files of earlier stages (load, generate, validate) merged into
     the rejects dataset. Existing `data/train-*.parquet` and `rejects/rejects-*.parquet` are replaced.
     """
-    if rows_per_file < 1 or batch_size < 1:
-        raise ValueError("rows_per_file and batch_size must be >= 1")
-    data_dir, rejects_dir = staging_dir / "data", staging_dir / "rejects"
-    _clean(data_dir, "train-*.parquet")
-    _clean(rejects_dir, "rejects-*.parquet")
-    data = _ParquetParts(data_dir / ".parts", TOKEN_ROW_SCHEMA, rows_per_file)
-    rejects = _ParquetParts(rejects_dir / ".parts", REJECT_SCHEMA, 1_000_000)
-    summary = TokenizationSummary(mode=mode)
-    pending: list[Reject] = []
-
-    def reject(r: Reject) -> None:
-        summary.rejects_total += 1
-        summary.rejects_by_stage[r.stage] = summary.rejects_by_stage.get(r.stage, 0) + 1
-        key = f"{r.stage}/{r.reason}"
-        summary.rejects_by_reason[key] = summary.rejects_by_reason.get(key, 0) + 1
-        if r.stage == "tokenize":
-            summary.tokenize_rejected += 1
-        pending.append(r)
-        if len(pending) >= 10_000:
-            rejects.write(_reject_batch(pending))
-            pending.clear()
-
-    for path in map(Path, extra_reject_paths):
-        if not path.exists():
-            summary.missing_reject_paths.append(str(path))
-            continue
-        for r in _read_rejects(path):
-            reject(r)
-
-    for batch in _batches(map(Path, accepted_paths), batch_size):
-        rows: list[TokenRow] = []
-        completions: list[Completion] = []
-        for path, lineno, item in batch:
-            if isinstance(item, MalformedRecord):
-                reject(Reject("tokenize", "malformed_record", f"{path.name}:{lineno}: {item}", path.name))
-            else:
-                completions.append(item)
-        built = _build_batch(completions, chat, enable_thinking, mode)
-        for c, result in zip(completions, built, strict=True):
-            if isinstance(result, RowRejected):
-                reject(
-                    Reject(
-                        "tokenize",
-                        result.reason,
-                        result.detail,
-                        c.source,
-                        c.row,
-                        c.prompt_id,
-                        len(c.output_ids),
-                        location=c.location,
-                    )
-                )
-            else:
-                rows.append(result)
-        if rows:
-            data.write(_token_batch(rows))
-        for row in rows:
-            summary.rows += 1
-            summary.input_tokens += len(row.input_ids)
-            summary.prompt_tokens += row.prompt_tokens
-            summary.loss_tokens.add(sum(row.loss_mask))
-            summary.rows_by_source[row.source] = summary.rows_by_source.get(row.source, 0) + 1
-            cat = row.category or NO_CATEGORY
-            summary.rows_by_category[cat] = summary.rows_by_category.get(cat, 0) + 1
-
-    if pending:
-        rejects.write(_reject_batch(pending))
-    data_files = _finalize(data.close(), data_dir, "train")
-    reject_files = _finalize(rejects.close(), rejects_dir, "rejects")
-    (data_dir / ".parts").rmdir()
-    (rejects_dir / ".parts").rmdir()
-    summary.data_files = [str(p.relative_to(staging_dir)) for p in data_files]
-    summary.reject_files = [str(p.relative_to(staging_dir)) for p in reject_files]
-    summary.data_bytes = sum(p.stat().st_size for p in data_files)
-    return summary
+    tokenizer = StreamingTokenizer(staging_dir, chat, enable_thinking, rows_per_file, mode, batch_size)
+    for path in extra_reject_paths:
+        tokenizer.add_rejects(Path(path))
+    for path in accepted_paths:
+        tokenizer.add_accepted(Path(path))
+    return tokenizer.close()
 
 
 def _build_batch(

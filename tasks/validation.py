@@ -37,6 +37,7 @@ __all__ = [
     "GateReport",
     "MalformedRecord",
     "QualityGateError",
+    "ShardValidator",
     "ValidationSummary",
     "check_quality_gate",
     "count_reject_reasons",
@@ -195,23 +196,37 @@ def _malformed(path: Path, lineno: int, err: MalformedRecord) -> Reject:
     )
 
 
-def validate_shards(
-    completion_paths: list[Path], out_dir: Path, spec: ValidationSpec, enable_thinking: bool
-) -> ValidationSummary:
-    """Check every completion; write `<shard>.accepted.jsonl` and `<shard>.rejects.jsonl` per shard into `out_dir`.
+class ShardValidator:
+    """Validates shards one at a time, in the order given, carrying the duplicate index and the summary between them.
 
-    Also writes `validation-summary.json` (the returned summary) into `out_dir`. Every input line ends
-    up in exactly one of the two outputs.
+    The streaming form of `validate_shards`: the flow feeds each shard once it and every shard before it in
+    plan order is generated, so "first copy kept" stays the same as a single pass over all shards.
     """
-    stems = [shard_stem(Path(p)) for p in completion_paths]
-    if len(set(stems)) != len(stems):
-        raise ValueError(f"two input shards map to the same output name: {stems}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    builder = SummaryBuilder()
-    duplicates = DuplicateIndex()
-    for path, stem in zip(map(Path, completion_paths), stems, strict=True):
-        accepted_path = out_dir / f"{stem}.accepted.jsonl"
-        rejects_path = out_dir / f"{stem}.rejects.jsonl"
+
+    def __init__(self, out_dir: Path, spec: ValidationSpec, enable_thinking: bool) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.out_dir = out_dir
+        self.spec = spec
+        self.enable_thinking = enable_thinking
+        self._builder = SummaryBuilder()
+        self._duplicates = DuplicateIndex()
+        self._stems: set[str] = set()
+
+    @property
+    def summary(self) -> ValidationSummary:
+        """The summary of the shards added so far."""
+        return self._builder.summary
+
+    def add(self, path: Path) -> tuple[Path, Path]:
+        """Validate one shard's completions; return its (accepted, rejects) JSONL paths."""
+        path = Path(path)
+        stem = shard_stem(path)
+        if stem in self._stems:
+            raise ValueError(f"two input shards map to the same output name: {stem} ({path})")
+        self._stems.add(stem)
+        builder, duplicates, spec = self._builder, self._duplicates, self.spec
+        accepted_path = self.out_dir / f"{stem}.accepted.jsonl"
+        rejects_path = self.out_dir / f"{stem}.rejects.jsonl"
         with _atomic_text(accepted_path) as acc, _atomic_text(rejects_path) as rej:
             # Plan order, whatever finished first: the copy kept of a duplicate is the one planned first.
             for lineno, item in iter_in_plan_order(path):
@@ -220,7 +235,7 @@ def validate_shards(
                     builder.reject(r)
                     rej.write(r.to_json() + "\n")
                     continue
-                verdict = check_completion(item, spec, enable_thinking)
+                verdict = check_completion(item, spec, self.enable_thinking)
                 if verdict.accepted:
                     dup = duplicates.check_and_add(item, spec.reject_duplicate_completions)
                     if not dup.accepted:
@@ -234,6 +249,27 @@ def validate_shards(
                     rej.write(r.to_json() + "\n")
         builder.summary.accepted_paths.append(str(accepted_path))
         builder.summary.reject_paths.append(str(rejects_path))
-    summary = builder.summary
-    (out_dir / SUMMARY_NAME).write_text(summary.model_dump_json(indent=1), encoding="utf-8")
-    return summary
+        return accepted_path, rejects_path
+
+    def close(self) -> ValidationSummary:
+        """The summary of every shard added; also written to `validation-summary.json` in `out_dir`."""
+        summary = self._builder.summary
+        (self.out_dir / SUMMARY_NAME).write_text(summary.model_dump_json(indent=1), encoding="utf-8")
+        return summary
+
+
+def validate_shards(
+    completion_paths: list[Path], out_dir: Path, spec: ValidationSpec, enable_thinking: bool
+) -> ValidationSummary:
+    """Check every completion; write `<shard>.accepted.jsonl` and `<shard>.rejects.jsonl` per shard into `out_dir`.
+
+    Also writes `validation-summary.json` (the returned summary) into `out_dir`. Every input line ends
+    up in exactly one of the two outputs.
+    """
+    stems = [shard_stem(Path(p)) for p in completion_paths]
+    if len(set(stems)) != len(stems):
+        raise ValueError(f"two input shards map to the same output name: {stems}")
+    validator = ShardValidator(out_dir, spec, enable_thinking)
+    for path in completion_paths:
+        validator.add(Path(path))
+    return validator.close()

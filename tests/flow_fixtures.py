@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 from prefect.testing.utilities import prefect_test_harness
 
 from datagen.localstack import LocalS3
@@ -15,8 +16,8 @@ __all__ = ["pipeline_env", "prefect_api"]
 
 @pytest.fixture(scope="module")
 def prefect_api() -> Iterator[None]:
-    """A temporary Prefect API (SQLite) for the module's flow runs."""
-    with prefect_test_harness(server_startup_timeout=120):
+    """A temporary Prefect API (SQLite) for the module's flow runs; the client retries a busy server longer."""
+    with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 7}), prefect_test_harness(server_startup_timeout=120):
         yield
 
 

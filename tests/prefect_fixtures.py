@@ -27,11 +27,14 @@ import httpx
 from datagen.localstack import LocalS3
 
 __all__ = [
+    "CLIENT_RETRY_ENV",
     "POOL",
     "REPO_ROOT",
+    "RETRY_STATUS",
     "TERMINAL_STATES",
     "PrefectApi",
     "PrefectServer",
+    "RetryingTransport",
     "free_port",
     "prefect_server",
     "prefect_worker",
@@ -55,13 +58,59 @@ def free_port() -> int:
         return port
 
 
+# Prefect's client already retries 408/429/502/503, timeouts, dropped connections and (once it has connected)
+# refused connections, with 2**n s backoff; its default of 5 retries gives a loaded SQLite server ~1 min. The
+# processes under test (CLI, deploy, worker, flow runs) get 7 (~4 min) for a machine with both cores busy.
+CLIENT_RETRY_ENV = {"PREFECT_CLIENT_MAX_RETRIES": "7"}
+RETRY_STATUS = frozenset({408, 429, 502, 503, 504})
+
+
 def _base_env() -> dict[str, str]:
     # The venv's bin first, so bash scripts and the worker's flow-run subprocesses use this interpreter;
     # no PREFECT_*/DATAGEN_* from the caller's shell leak into the processes under test.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "DATAGEN_"))}
     env["PATH"] = f"{_VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    env.update(CLIENT_RETRY_ENV)
     return env
+
+
+class RetryingTransport(httpx.BaseTransport):
+    """Retries what a busy Prefect server may answer (503 from a locked SQLite, 502/504/429) and connection errors.
+
+    Backoff doubles from `base_s` (capped at 10 s), honouring Retry-After; after `attempts` tries the last
+    response is returned, or the last error raised. Every call the tests make is safe to repeat: reads, filters,
+    schedule PATCHes (idempotent) and create_flow_run with an idempotency key.
+    """
+
+    def __init__(self, attempts: int = 8, base_s: float = 0.5, inner: httpx.BaseTransport | None = None) -> None:
+        self.attempts = attempts
+        self.base_s = base_s
+        self.inner = inner or httpx.HTTPTransport()
+        self.retried = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        for attempt in range(self.attempts):
+            last = attempt == self.attempts - 1
+            delay = min(10.0, self.base_s * 2**attempt)
+            try:
+                response = self.inner.handle_request(request)
+            except (httpx.TransportError, httpx.TimeoutException):
+                if last:
+                    raise
+            else:
+                if response.status_code not in RETRY_STATUS or last:
+                    return response
+                with suppress(ValueError):
+                    delay = max(delay, min(30.0, float(response.headers.get("Retry-After", ""))))
+                response.read()
+                response.close()
+            self.retried += 1
+            time.sleep(delay)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 def stop_process(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
@@ -265,7 +314,8 @@ class PrefectApi:
     """The few REST calls the tests (and users' scripts) make against a Prefect server."""
 
     def __init__(self, api_url: str) -> None:
-        self.client = httpx.Client(base_url=api_url, timeout=30)
+        self.transport = RetryingTransport()
+        self.client = httpx.Client(base_url=api_url, timeout=30, transport=self.transport)
 
     def close(self) -> None:
         """Close the HTTP connection pool."""
@@ -292,13 +342,8 @@ class PrefectApi:
             body["job_variables"] = dict(job_variables)
         if name:
             body["name"] = name
-        for attempt in range(5):
-            response = self.client.post(f"/deployments/{deployment_id}/create_flow_run", json=body)
-            # SQLite busy ("database is locked") comes back as 503; Prefect's own client retries it too.
-            if response.status_code != 503:
-                break
-            time.sleep(0.5 * (attempt + 1))
-        return response
+        # SQLite busy ("database is locked") comes back as 503: the transport retries it (and connection errors).
+        return self.client.post(f"/deployments/{deployment_id}/create_flow_run", json=body)
 
     def flow_run(self, flow_run_id: str) -> dict[str, Any]:
         """GET /flow_runs/{id}."""
