@@ -1,4 +1,4 @@
-"""The engine venv as documented is installable as pinned: checked against the real wheel's own metadata."""
+"""The engine's packages install as pinned: checked against the real wheel's own metadata."""
 
 from __future__ import annotations
 
@@ -29,6 +29,11 @@ def _wheel_metadata(real_sglang: RealSglang) -> tuple[list[str], list[str]]:
     return requires, tags
 
 
+def _engine_pins(real_sglang: RealSglang) -> dict[str, str]:
+    requires, _ = _wheel_metadata(real_sglang)
+    return _exact_pins([r for r in requires if ";" not in r])
+
+
 def test_engine_requirements_pin_the_release_the_tier_checks() -> None:
     lines = (REPO_ROOT / "infra" / "engine-requirements.txt").read_text(encoding="utf-8").splitlines()
     wanted = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
@@ -37,27 +42,22 @@ def test_engine_requirements_pin_the_release_the_tier_checks() -> None:
 
 def test_readme_says_what_the_engine_venv_needs(real_sglang: RealSglang) -> None:
     """CPython 3.11 (the only wheel tag) and sglang's own torch pin, as the wheel declares them."""
-    requires, tags = _wheel_metadata(real_sglang)
+    _, tags = _wheel_metadata(real_sglang)
     assert tags == ["cp311-cp311-manylinux_2_34_x86_64"]
-    torch = _exact_pins([r for r in requires if ";" not in r])["torch"]
+    torch = _engine_pins(real_sglang)["torch"]
     readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
     assert "CPython **3.11**" in readme
     assert f"torch=={torch}" in readme
     assert "infra/engine-requirements.txt" in readme
 
 
-def test_no_extra_puts_sglang_into_the_pipelines_venv(real_sglang: RealSglang) -> None:
-    """sglang's exact pins clash with the pipeline's, so an extra holding sglang could never install as pinned."""
-    requires, _ = _wheel_metadata(real_sglang)
-    engine_pins = _exact_pins([r for r in requires if ";" not in r and "extra ==" not in r])
+def test_gpu_extra_installs_beside_the_core_pins(real_sglang: RealSglang) -> None:
+    """Every package both pin is pinned alike, and [gpu] holds this sglang and the torch it pins."""
+    engine = _engine_pins(real_sglang)
     project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
-    core_pins = _exact_pins(project["dependencies"])
-    clashes = {
-        n: (core_pins[n], engine_pins[n])
-        for n in core_pins.keys() & engine_pins.keys()
-        if core_pins[n] != engine_pins[n]
-    }
-    assert clashes  # e.g. transformers 5.24.0 here vs 5.19.0 in sglang 0.5.23: one venv cannot hold both
-    for extra, reqs in project.get("optional-dependencies", {}).items():
-        names = {Requirement(r).name.lower() for r in reqs}
-        assert not names & {"sglang", "torch"}, f"extra [{extra}] would clash with the core pins: {clashes}"
+    core = _exact_pins(project["dependencies"])
+    shared = core.keys() & engine.keys()
+    assert {"transformers", "tokenizers"} <= shared  # the tokenizer the pipeline renders with is the engine's
+    assert {n: core[n] for n in shared} == {n: engine[n] for n in shared}
+    gpu = _exact_pins(project["optional-dependencies"]["gpu"])
+    assert gpu == {"sglang": SGLANG_VERSION, "torch": engine["torch"]}
