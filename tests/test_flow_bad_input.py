@@ -97,7 +97,9 @@ def test_failed_quality_gate_is_the_red_task_with_the_report(
     assert _failed(runs) == ["quality gate"]
     message = runs["quality gate"].state.message  # type: ignore[union-attr]
     assert "quality gate FAILED" in message and "median_completion_tokens" in message
-    assert runs["validate"].state.is_completed()  # type: ignore[union-attr]
+    assert runs["validation summary"].state.is_completed()  # type: ignore[union-attr]
+    shards = [r for name, r in runs.items() if name.startswith("validate+tokenize shard")]
+    assert shards and all(r.state.is_completed() for r in shards)  # type: ignore[union-attr]
 
 
 def test_cli_summary_is_never_a_bare_none() -> None:
