@@ -139,6 +139,7 @@ def _quality_gate(
     upstream_reasons: dict[str, int],
     reject_paths: list[str],
     downstream_rejects: int = 0,
+    namespace: str = "",
 ) -> validation.GateReport:
     report = validation.check_quality_gate(
         summary, gate, sum(upstream_reasons.values()), downstream_rejects, upstream_reasons, reject_paths
@@ -146,7 +147,7 @@ def _quality_gate(
     create_markdown_artifact(
         markdown=validation.render_validation_report(summary, report),
         key="validation-report",
-        description="Validation: per-sample verdicts, reject reasons with examples, and the quality gate",
+        description=f"Validation of {namespace}: per-sample verdicts, reject reasons with examples, the quality gate",
     )
     report.raise_if_failed()  # inside the task: the gate itself is the red task, its report the message
     return report
@@ -193,11 +194,18 @@ def finish_dataset(
         *(Path(p) for p in summary.reject_paths),
     ]
     upstream_reasons = validation.count_reject_reasons(reject_paths[: 1 + len(shard_results)])
-    gate_task(summary, spec.quality_gate, upstream_reasons, [str(p) for p in reject_paths])
+    gate_task(summary, spec.quality_gate, upstream_reasons, [str(p) for p in reject_paths], namespace=spec.namespace)
     tokenized = close_tokenization_task(stream)
     # Rows can still fail the token round-trip check: the gate sees the final counts before anything ships.
     published_rejects = [str(layout.staging_dir / f) for f in tokenized.reject_files]
-    final = gate_task(summary, spec.quality_gate, upstream_reasons, published_rejects, tokenized.tokenize_rejected)
+    final = gate_task(
+        summary,
+        spec.quality_gate,
+        upstream_reasons,
+        published_rejects,
+        tokenized.tokenize_rejected,
+        namespace=spec.namespace,
+    )
     # Published with the data: each reject reason's share and example rows, and the gate that passed.
     (layout.staging_dir / validation.REPORT_NAME).write_text(
         validation.render_validation_report(summary, final), encoding="utf-8"
