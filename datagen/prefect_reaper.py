@@ -10,15 +10,12 @@ pipelines' Prefect servers on the same box are never touched.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import signal
-import time
 from pathlib import Path
 
-from datagen.engine.launcher import STOP_GRACE_S, _is_process, _start_ticks
+from datagen.engine.launcher import STOP_GRACE_S, _start_ticks, reap_recorded
 
 __all__ = ["RECORDS_DIR", "reap_orphaned_prefect_servers", "record_embedded_prefect_server"]
 
@@ -66,36 +63,5 @@ def reap_orphaned_prefect_servers(work_dir: Path, grace_s: float = STOP_GRACE_S)
 
     Records of pipelines still alive are left alone; records whose servers are already gone are removed.
     """
-    reaped: list[str] = []
-    for path in sorted((work_dir / RECORDS_DIR).glob("*.json")):
-        try:
-            record = json.loads(path.read_text())
-            owner_pid, owner_start = int(record["owner"]["pid"]), record["owner"]["start"]
-            servers = dict(record["servers"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            logger.warning("ignoring unreadable Prefect server record %s: %s", path, exc)
-            continue
-        if _is_process(owner_pid, owner_start):
-            continue
-        for name, info in sorted(servers.items()):
-            pid, start = int(info["pid"]), info.get("start")
-            if not _is_process(pid, start):
-                continue
-            logger.warning("stopping %s (pid %d, %s) left running by a pipeline that died", name, pid, info["url"])
-            try:
-                # Only the pid: the embedded server shares the dead pipeline's process group.
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                continue
-            except PermissionError:
-                logger.warning("cannot stop %s (pid %d): it belongs to another user", name, pid)
-                continue
-            deadline = time.monotonic() + grace_s
-            while _is_process(pid, start) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if _is_process(pid, start):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-            reaped.append(f"{name} (pid {pid}, {info['url']})")
-        path.unlink(missing_ok=True)
-    return reaped
+    # Only the pid: the embedded server shares the dead pipeline's process group.
+    return reap_recorded(work_dir / RECORDS_DIR, "Prefect server record", os.kill, grace_s)

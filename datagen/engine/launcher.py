@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -407,14 +407,31 @@ def reap_orphaned_servers(work_dir: Path, grace_s: float = STOP_GRACE_S) -> list
     A live fleet's servers are never touched (its process is alive, whoever it is), nor a process whose pid
     was reused since (start times differ).
     """
+    # Started with start_new_session (pid == pgid): the whole group goes, SGLang's scheduler children too.
+    return reap_recorded(work_dir / _FLEETS_DIR, "fleet record", os.killpg, grace_s, kill_group=True)
+
+
+def reap_recorded(
+    records_dir: Path,
+    what: str,
+    kill: Callable[[int, int], None],
+    grace_s: float = STOP_GRACE_S,
+    kill_group: bool = False,
+) -> list[str]:
+    """Stop the processes listed in `records_dir/*.json` whose recorded owner process has died.
+
+    Each record is {"owner": {"pid", "start"}, "servers": {name: {"pid", "start", "url"}}}; `kill(pid, sig)`
+    sends the signals (os.killpg for a process group, os.kill for one process). With `kill_group` the final
+    SIGKILL always goes (whatever of the group is left), otherwise only to a process still alive.
+    """
     reaped: list[str] = []
-    for path in sorted((work_dir / _FLEETS_DIR).glob("*.json")):
+    for path in sorted(records_dir.glob("*.json")):
         try:
             record = json.loads(path.read_text())
             owner_pid, owner_start = int(record["owner"]["pid"]), record["owner"]["start"]
             servers = dict(record["servers"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            logger.warning("ignoring unreadable fleet record %s: %s", path, exc)
+            logger.warning("ignoring unreadable %s %s: %s", what, path, exc)
             continue
         if _is_process(owner_pid, owner_start):
             continue
@@ -424,7 +441,7 @@ def reap_orphaned_servers(work_dir: Path, grace_s: float = STOP_GRACE_S) -> list
                 continue
             logger.warning("stopping %s (pid %d, %s) left running by a pipeline that died", name, pid, info["url"])
             try:
-                os.killpg(pid, signal.SIGTERM)  # started with start_new_session: pid == pgid
+                kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 continue
             except PermissionError:
@@ -433,8 +450,9 @@ def reap_orphaned_servers(work_dir: Path, grace_s: float = STOP_GRACE_S) -> list
             deadline = time.monotonic() + grace_s
             while _is_process(pid, start) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)  # whatever of the group is left (SGLang's scheduler children)
+            if kill_group or _is_process(pid, start):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    kill(pid, signal.SIGKILL)
             reaped.append(f"{name} (pid {pid}, {info['url']})")
         path.unlink(missing_ok=True)
     return reaped
