@@ -106,6 +106,27 @@ def rename_flow_run(old_part: str, new_part: str) -> None:
 # --- formatting -------------------------------------------------------------------------------------------
 
 
+class QuietPerShardCompletions(logging.Filter):
+    """Drops Prefect's "Finished in state Completed()" line for per-shard task runs (names with " shard-").
+
+    A 1,000-shard run has two such task runs per shard (generate, validate+tokenize): 2,000 identical lines
+    in the flow run's log would bury the progress lines (rates, ETA, rejects so far) and any warning. Only that
+    line goes: a per-shard retry, failure or crash is logged as before, and every task run keeps its state in the UI.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO or " shard-" not in str(getattr(record, "task_run_name", "")):
+            return True
+        return not str(record.msg).startswith("Finished in state Completed")
+
+
+def quiet_per_shard_completions() -> None:
+    """Install `QuietPerShardCompletions` on Prefect's task-run logger once per process."""
+    task_runs = logging.getLogger("prefect.task_runs")
+    if not any(isinstance(f, QuietPerShardCompletions) for f in task_runs.filters):
+        task_runs.addFilter(QuietPerShardCompletions())
+
+
 def human_bytes(n: float) -> str:
     """1536 -> '1.5 KiB'."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

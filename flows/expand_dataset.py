@@ -244,6 +244,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         dry_run: Do everything except writing to S3 (generate, validate, tokenize), then list what would be published.
     """
     logger = get_run_logger()
+    report.quiet_per_shard_completions()  # no line per shard task run: the progress lines stay readable
     settings = Settings()
     store = ObjectStore.from_settings(settings)
     if spec.namespace == AUTO_NAMESPACE:

@@ -43,7 +43,7 @@ from datagen.chat import ChatTokenizer
 from datagen.engine.dispatcher import Dispatcher
 from datagen.layout import RunLayout
 from datagen.records import Prompt
-from datagen.report import run_name
+from datagen.report import quiet_per_shard_completions, run_name
 from datagen.runspec import ExchangeSpec, MultiBoxSpec, RunSpec
 from datagen.settings import Settings
 from datagen.storage import ObjectStore, s3_preflight
@@ -114,6 +114,7 @@ def generate_on_box(
 ) -> dict[str, Any]:
     """Start this box's servers and generate claimed shards until every shard of the run is done."""
     logger = get_run_logger()
+    quiet_per_shard_completions()  # no line per shard task run: the progress lines stay readable
     settings = Settings()
     this_box = settings.box_name or socket.gethostname()
     if box and box != this_box:
@@ -231,6 +232,7 @@ def _launch_boxes(spec: RunSpec, boxes: MultiBoxSpec) -> dict[str, UUID]:
 def _wait_for_shards(exchange: ShardExchange, plan: ShardPlan, children: dict[str, UUID], boxes: MultiBoxSpec) -> None:
     """Block until every shard is done; fail when every child ended first. Then settle the children's states."""
     logger = get_run_logger()
+    quiet_per_shard_completions()  # no line per shard task run: the progress lines stay readable
     progress_id = cast(
         UUID,
         create_progress_artifact(progress=0.0, key="multibox-progress", description="Shards done across the boxes (%)"),
@@ -292,6 +294,7 @@ def expand_dataset_multibox(
 ) -> dict[str, Any]:
     """Spread a run's shards over several GPU boxes, then validate, tokenize and publish (never overwriting)."""
     logger = get_run_logger()
+    quiet_per_shard_completions()  # no line per shard task run: the progress lines stay readable
     started = time.monotonic()
     settings = Settings()
     layout = RunLayout.for_run(settings.work_dir, spec.namespace)

@@ -294,6 +294,18 @@ def test_rest_triggered_run_completes_and_publishes_with_artifacts(stack: Stack)
     assert task_names.get("generate shard-00001") == "COMPLETED", task_names
     assert set(task_names.values()) == {"COMPLETED"}, task_names
 
+    # The log has no line per shard task run (a 1,000-shard run would be a wall of "Finished in state
+    # Completed()"); other task runs still log theirs. Logs ship in batches, after the state.
+    stack.api.wait_for_log(flow_run_id, "published s3://")
+    names_by_id = {t["id"]: t["name"] for t in stack.api.task_runs(flow_run_id)}
+    finished = [
+        names_by_id.get(r["task_run_id"], "?")
+        for r in stack.api.logs(flow_run_id)
+        if str(r["message"]).startswith("Finished in state Completed")
+    ]
+    assert any(n.startswith("publish") for n in finished), finished  # names end in "-<hex>"
+    assert not [n for n in finished if " shard-" in n], finished
+
     # The dataset really is in S3.
     keys = {o.key for o in stack.store.list(f"{namespace}/")}
     assert f"{namespace}/manifest.json" in keys, sorted(keys)
