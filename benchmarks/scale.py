@@ -42,13 +42,16 @@ _TICK = os.sysconf("SC_CLK_TCK")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 SAMPLE_S = 0.5
 CATEGORIES = ("explain", "math", "code", "writing")
-# The fast timing model: 2 ms per decode step, a little more per running request (the stand-in then
-# spends most of its time building outputs, as a GPU server would spend it decoding).
+# The timing model: 15 ms per decode step plus a little per running request, 128 slots, ~64-token outputs:
+# ~7,900 tok/s, ~120 completions/s per server. The servers are the bottleneck, as GPUs are in production
+# (~7 completions/s per 8-GPU box there); the client, ~2 ms of CPU per request on this box, has room to spare.
+# `--step-base-ms 2` (the first setting) makes the client the bottleneck instead (~1,200 completions/s asked of
+# two servers): every shard then advances at the client's pace and they all finish at once (see README).
 STANDIN_ENV = {
     "DATAGEN_STANDIN_LENGTH_MEAN": "64",
     "DATAGEN_STANDIN_LENGTH_SIGMA": "0.5",
     "DATAGEN_STANDIN_LENGTH_MAX": "256",
-    "DATAGEN_STANDIN_STEP_BASE_MS": "2",
+    "DATAGEN_STANDIN_STEP_BASE_MS": "15",
     "DATAGEN_STANDIN_STEP_PER_REQ_MS": "0.01",
     "DATAGEN_STANDIN_MAX_RUNNING": "128",
     "DATAGEN_STANDIN_LOAD_S": "0.2",
@@ -807,6 +810,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, help="PNG of cost against N (needs the `bench` extra).")
     parser.add_argument("--servers", type=int, default=2, help="Stand-in servers.")
     parser.add_argument("--shard-size", type=int, default=1000)
+    parser.add_argument(
+        "--step-base-ms", type=float, default=15.0, help="Stand-in decode step time (2: client-bound, see README)."
+    )
     parser.add_argument("--keep", action="store_true", help="Keep the run directories (printed).")
     args = parser.parse_args(argv)
     if args.child is not None:
@@ -826,7 +832,9 @@ def main(argv: list[str] | None = None) -> int:
             for n in args.prompts:
                 for mode in modes:
                     print(f"running {n:,} prompts on {mode} Prefect (load {_loadavg()}) ...", flush=True)
+                    STANDIN_ENV["DATAGEN_STANDIN_STEP_BASE_MS"] = f"{args.step_base_ms:g}"
                     r = run_once(n, mode, s3, root, args.servers, args.shard_size)
+                    r["standin_step_base_ms"] = args.step_base_ms
                     r["machine"] = machine
                     results.append(r)
                     print(table([r]).splitlines()[-1], flush=True)

@@ -16,7 +16,6 @@ are kept; the last kept turn must be a user turn.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import re
@@ -157,9 +156,8 @@ class PromptIdentity:
         return prompt_id_from_ids(source, ids)
 
 
-@functools.lru_cache(maxsize=4)
 def _chat_for(model_dir: str) -> ChatTokenizer:
-    return ChatTokenizer.from_model_dir(model_dir)
+    return ChatTokenizer.shared(model_dir)  # the flow's own instance: one load per process
 
 
 def iter_prompts(

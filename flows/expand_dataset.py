@@ -259,7 +259,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
     gpu_description = "; ".join(r.detail for r in env_results if r.name.startswith("gpu.") and r.status == "pass")
     ctx = FlowRunContext.get()
     run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else None
-    chat = ChatTokenizer.from_model_dir(spec.model_path)
+    chat = ChatTokenizer.shared(spec.model_path)
     # Prompts an earlier namespace published are skipped (this run's own part is not: a rerun plans the same).
     skip = catalog.published_prompt_ids(store, exclude={spec.namespace}) if spec.skip_published else set()
     projection = pilot.load_projection(settings.work_dir, spec.pilot) if spec.pilot else None

@@ -129,7 +129,7 @@ def generate_on_box(
     check_environment_task(settings, spec, store)
     layout = RunLayout.for_run(settings.work_dir, spec.namespace)
     layout.root.mkdir(parents=True, exist_ok=True)
-    chat = ChatTokenizer.from_model_dir(spec.model_path)
+    chat = ChatTokenizer.shared(spec.model_path)
     finished: list[generation.ShardResult] = []
     failures: Counter[int] = Counter()
     with (
@@ -305,7 +305,7 @@ def expand_dataset_multibox(
     run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else None
 
     preflight_task(store, spec.namespace)
-    chat = ChatTokenizer.from_model_dir(spec.model_path)
+    chat = ChatTokenizer.shared(spec.model_path)
     plan = plan_task(spec, layout)
     load_gate_task(plan, spec.quality_gate, layout)  # bad input fails here, before any box starts a server
     publish_plan_task(exchange, plan, layout)

@@ -57,7 +57,7 @@ def pilot_flow(spec: RunSpec = RunSpec(), pilot_spec: pilot.PilotSpec = pilot.Pi
     logger.info("pilot sample: %d prompts in %d shards", plan.n_prompts, len(plan.shard_ids))
     if plan.n_prompts == 0:
         raise ValueError("the pilot found no prompts to sample (all published already, or targets of 0)")
-    chat = ChatTokenizer.from_model_dir(spec.model_path)
+    chat = ChatTokenizer.shared(spec.model_path)
 
     api_key = provisioning.api_key_for(settings)
     results: list[generation.ShardResult] = []

@@ -14,6 +14,7 @@ while it waits.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import logging
@@ -361,7 +362,8 @@ def generate_shard(
                 settled_unsent()
                 continue
             try:
-                ids = chat.prompt_ids(prompt.messages, spec.sampling.enable_thinking)
+                with dispatcher.turn((shard_id, row)) if dispatcher is not None else contextlib.nullcontext():
+                    ids = chat.prompt_ids(prompt.messages, spec.sampling.enable_thinking)
             except TemplateError as exc:
                 rejects.write(_reject(prompt, key, "template_error", f"chat template refused it: {exc}").to_json())
                 settled_unsent()

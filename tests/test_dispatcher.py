@@ -32,6 +32,7 @@ from datagen.engine.dispatcher import (
     DispatcherStats,
     EngineStalled,
     GenerateJob,
+    PlanOrderTurn,
     RetriesExhausted,
     ServerStats,
     SubmitTimeout,
@@ -509,3 +510,40 @@ def test_progress_line_spells_out_every_figure_and_flags_an_underfed_server() ->
     assert "gpu2 starting, 0/0 in flight (server load not read yet)" in line
     assert stats.underfed == ["gpu1"] and line.endswith("UNDERFED: gpu1 below their number while requests wait")
     assert dataclasses.replace(stats, unsent=0).underfed == []  # nothing waits: a server below target is fine
+
+
+def test_plan_order_turn_goes_to_the_lowest_waiting_plan_position_not_the_first_to_come() -> None:
+    turn = PlanOrderTurn()
+    order: list[int] = []
+    holder_in, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with turn((0, 0)):
+            holder_in.set()
+            release.wait(30)
+
+    def waiter(shard: int) -> None:
+        with turn((shard, 0)):
+            order.append(shard)
+
+    first = threading.Thread(target=holder)
+    first.start()
+    assert holder_in.wait(30)
+    waiters = []
+    for shard in (5, 3, 9, 1):  # they arrive in this order while the turn is held
+        t = threading.Thread(target=waiter, args=(shard,))
+        t.start()
+        waiters.append(t)
+        for _ in range(3000):  # until it waits (at most 30 s)
+            if len(turn._waiting) == len(waiters):
+                break
+            threading.Event().wait(0.01)
+        assert len(turn._waiting) == len(waiters)
+    release.set()
+    for t in [first, *waiters]:
+        t.join(30)
+    assert order == [1, 3, 5, 9]
+    # Free again: the next caller takes it at once.
+    with turn((7, 0)):
+        order.append(7)
+    assert order[-1] == 7 and not turn._held

@@ -31,6 +31,7 @@ import asyncio
 import bisect
 import collections
 import concurrent.futures
+import contextlib
 import heapq
 import itertools
 import logging
@@ -38,7 +39,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -222,6 +223,43 @@ class _Blocked:
     granted: bool = field(default=False, compare=False)
 
 
+class PlanOrderTurn:
+    """One holder at a time; waiters get the turn lowest plan position first (not first come).
+
+    Shard workers prepare requests (render the chat template, tokenize) under it. When the servers are the
+    bottleneck, the dispatcher's own queue already lets requests in plan order; when the client is (fast
+    servers, a busy CPU), the queue has room and every shard worker would tokenize at once, so all shards
+    advance together and finish together: the turn keeps the lowest shards first there too, so they finish
+    first and are validated and tokenized while the rest still generate.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held = False
+        self._waiting: list[_Blocked] = []
+        self._tickets = itertools.count()
+
+    @contextlib.contextmanager
+    def __call__(self, order: tuple[int, ...]) -> Iterator[None]:
+        with self._lock:
+            if not self._held and not self._waiting:
+                self._held = True
+                me = None
+            else:
+                me = _Blocked((order, next(self._tickets)))
+                bisect.insort(self._waiting, me)
+        if me is not None:
+            me.event.wait()
+        try:
+            yield
+        finally:
+            with self._lock:
+                if self._waiting:
+                    self._waiting.pop(0).event.set()  # handed over: still held
+                else:
+                    self._held = False
+
+
 @dataclass(eq=False, slots=True)
 class _Server:
     endpoint: ServerEndpoint
@@ -348,6 +386,8 @@ class Dispatcher:
         self._queue_limit = self._compute_queue_limit()
         self._blocked: list[_Blocked] = []
         self._tickets = itertools.count()
+        # Request preparation in plan order (see PlanOrderTurn): `with dispatcher.turn(job_order): ...`.
+        self.turn = PlanOrderTurn()
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="datagen-dispatcher", daemon=True)
