@@ -70,7 +70,7 @@ class H11PoolTransport(httpx.AsyncBaseTransport):
             raise RuntimeError("transport is closed")
         origin = (url.host, url.port or 80)
         timeouts = _timeouts(request)
-        slots = self._slots.setdefault(origin, asyncio.Semaphore(self._max))
+        slots = self._slots.get(origin) or self._slots.setdefault(origin, asyncio.Semaphore(self._max))
         try:
             async with asyncio.timeout(timeouts["pool"]):
                 await slots.acquire()
