@@ -136,7 +136,8 @@ class PromptIdentity:
         if not (path / "tokenizer.json").is_file():
             log.warning("%s: no tokenizer, prompt ids are taken from the messages, not the rendered tokens", path)
             return None
-        return cls(_chat_for(str(path.resolve())), spec.sampling.enable_thinking, spec.prompt_token_limit)
+        # The flow's own instance (ChatTokenizer.shared): one tokenizer load per process.
+        return cls(ChatTokenizer.shared(path), spec.sampling.enable_thinking, spec.prompt_token_limit)
 
     def __call__(self, source: str, messages: list[Message]) -> str:
         """The prompt id of `messages` from `source`; raises _RowError for a prompt that cannot be sent."""
@@ -154,10 +155,6 @@ class PromptIdentity:
         if len(ids) > self.token_limit:
             raise _RowError("prompt_too_long", f"prompt has {len(ids)} tokens, limit is {self.token_limit}")
         return prompt_id_from_ids(source, ids)
-
-
-def _chat_for(model_dir: str) -> ChatTokenizer:
-    return ChatTokenizer.shared(model_dir)  # the flow's own instance: one load per process
 
 
 def iter_prompts(

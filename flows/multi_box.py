@@ -232,7 +232,6 @@ def _launch_boxes(spec: RunSpec, boxes: MultiBoxSpec) -> dict[str, UUID]:
 def _wait_for_shards(exchange: ShardExchange, plan: ShardPlan, children: dict[str, UUID], boxes: MultiBoxSpec) -> None:
     """Block until every shard is done; fail when every child ended first. Then settle the children's states."""
     logger = get_run_logger()
-    quiet_per_shard_completions()  # no line per shard task run: the progress lines stay readable
     progress_id = cast(
         UUID,
         create_progress_artifact(progress=0.0, key="multibox-progress", description="Shards done across the boxes (%)"),

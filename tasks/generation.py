@@ -14,7 +14,6 @@ while it waits.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import hashlib
 import json
 import logging
@@ -362,7 +361,8 @@ def generate_shard(
                 settled_unsent()
                 continue
             try:
-                with dispatcher.turn((shard_id, row)) if dispatcher is not None else contextlib.nullcontext():
+                assert dispatcher is not None  # unsettled requests exist only with servers (checked above)
+                with dispatcher.turn((shard_id, row)):  # prepared in plan order, like the queue lets them in
                     ids = chat.prompt_ids(prompt.messages, spec.sampling.enable_thinking)
             except TemplateError as exc:
                 rejects.write(_reject(prompt, key, "template_error", f"chat template refused it: {exc}").to_json())
