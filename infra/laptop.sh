@@ -3,10 +3,14 @@
 # runs use the local S3 server, stand-in SGLang servers and the fixture model (no GPU, no cloud).
 #   bash infra/laptop.sh            # then start runs from the UI (printed URL) or the printed command
 # Settings: .datagen/laptop/worker.env (DATAGEN_*, mode 0600); demo-sized run parameters:
-# .datagen/laptop/run-spec.json. An existing server is used when PREFECT_API_URL is set. Ctrl-C stops the
-# worker; `bash infra/prefect-server.sh stop` and `.venv/bin/datagen stack down` stop the rest.
+# .datagen/laptop/run-spec.json. An existing server is used when PREFECT_API_URL is set (with its
+# PREFECT_API_AUTH_STRING). The local server's auth string is generated once into .datagen/prefect-auth (0600):
+# the UI asks for it, the CLI reads it from PREFECT_API_AUTH_STRING. Ctrl-C stops the worker;
+# `bash infra/prefect-server.sh stop` and `.venv/bin/datagen stack down` stop the rest.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=infra/prefect-auth.sh
+. infra/prefect-auth.sh
 bash infra/bootstrap.sh
 .venv/bin/datagen laptop
 if [ -z "${PREFECT_API_URL:-}" ]; then
@@ -15,6 +19,7 @@ if [ -z "${PREFECT_API_URL:-}" ]; then
   bash infra/prefect-server.sh start "$port"
   export PREFECT_API_URL="http://127.0.0.1:$port/api"
 fi
+datagen_client_auth "$PWD" laptop.sh
 echo "registering the deployments on $PREFECT_API_URL ..."
 bash infra/deploy.sh
 set -a
@@ -22,6 +27,9 @@ set -a
 . .datagen/laptop/worker.env
 set +a
 export DATAGEN_WORKER_NAME=${DATAGEN_WORKER_NAME:-laptop-worker}
-echo "starting the worker; runs: UI ${PREFECT_API_URL%/api}/ -> Deployments -> manual -> Run, or"
-echo "  PREFECT_API_URL=$PREFECT_API_URL .venv/bin/prefect deployment run expand-dataset/manual --params \"\$(cat .datagen/laptop/run-spec.json)\" --watch"
+auth_hint="PREFECT_API_AUTH_STRING=\"\$(cat $(datagen_auth_file "$PWD"))\""
+[ -f "$(datagen_auth_file "$PWD")" ] || auth_hint="PREFECT_API_AUTH_STRING=<the server's auth string>"
+echo "starting the worker; runs: UI ${PREFECT_API_URL%/api}/ (auth string: $(datagen_auth_file "$PWD"))"
+echo "  -> Deployments -> manual -> Run, or"
+echo "  PREFECT_API_URL=$PREFECT_API_URL $auth_hint .venv/bin/prefect deployment run expand-dataset/manual --params \"\$(cat .datagen/laptop/run-spec.json)\" --watch"
 exec bash infra/prefect-worker.sh

@@ -2,16 +2,21 @@
 # Run a Prefect process worker for datagen on this box (one per GPU box; it runs one flow run at a time,
 # and that run uses every GPU of the box). Stop it with SIGINT (Ctrl-C, systemd KillSignal=SIGINT).
 #   PREFECT_API_URL=http://prefect-host:4200/api bash infra/prefect-worker.sh
+# The server's auth string: PREFECT_API_AUTH_STRING, else the auth file (infra/prefect-auth.sh); flow runs
+# inherit it from the worker.
 # The worker's environment is the flow runs' environment: export the DATAGEN_* settings (or put them in
 # $DATAGEN_HOME/.env) before starting it. Optional: DATAGEN_WORK_POOL (default gpu-box-1),
 # DATAGEN_WORKER_NAME (default gpu-worker-<hostname>), DATAGEN_WORKER_LIMIT (default 1), PREFECT_BIN,
 # DATAGEN_WORK_QUEUE (multi-box: the box's own queue, named like DATAGEN_BOX_NAME; see docs/multi-box.md).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=infra/prefect-auth.sh
+. "$here/infra/prefect-auth.sh"
 if [ -z "${PREFECT_API_URL:-}" ]; then
   echo "prefect-worker.sh: set PREFECT_API_URL to the server's API, e.g. http://127.0.0.1:4200/api" >&2
   exit 2
 fi
+datagen_client_auth "$here" prefect-worker.sh
 # prefect.yaml's pull step moves each flow run into $DATAGEN_HOME: the checkout with datagen installed.
 export DATAGEN_HOME="${DATAGEN_HOME:-$here}"
 if [ ! -f "$DATAGEN_HOME/prefect.yaml" ]; then

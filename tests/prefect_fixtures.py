@@ -1,22 +1,25 @@
 """Real Prefect processes for end-to-end tests: a server, `infra/deploy.sh`, a process worker, a REST client.
 
-Everything runs as the users run it: `prefect server start` with its settings in the environment
-(PREFECT_HOME in a temp dir, PREFECT_SERVER_API_PORT on a free port, set before start so the UI
-points at the right API), `infra/deploy.sh` (work pool + `prefect deploy --all --no-prompt` from the
-repo root) and `infra/prefect-worker.sh` (`prefect worker start`, stopped with SIGINT).
+Everything runs as the users run it: `infra/prefect-server.sh run` (basic auth with a fresh auth string, CSRF
+protection, CORS limited to the UI's origin, loopback; PREFECT_HOME in a temp dir, PREFECT_SERVER_API_PORT on a
+free port, set before start so the UI points at the right API), `infra/deploy.sh` (work pool with datagen's base
+job template + `prefect deploy --all --no-prompt` from the repo root) and `infra/prefect-worker.sh`
+(`prefect worker start`, stopped with SIGINT). Every client gets the auth string as PREFECT_API_AUTH_STRING.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,9 +36,11 @@ __all__ = [
     "RETRY_STATUS",
     "TERMINAL_STATES",
     "PrefectApi",
+    "PrefectAuth",
     "PrefectServer",
     "RetryingTransport",
     "free_port",
+    "new_auth_string",
     "prefect_server",
     "prefect_worker",
     "run_deploy",
@@ -137,6 +142,7 @@ class PrefectServer:
     home: Path
     log_path: Path
     process: subprocess.Popen[bytes]
+    auth_string: str
 
     @property
     def url(self) -> str:
@@ -152,9 +158,15 @@ class PrefectServer:
         """Environment for a CLI or worker process talking to this server."""
         home.mkdir(parents=True, exist_ok=True)
         env = _base_env()
-        env.update({"PREFECT_API_URL": self.api_url, "PREFECT_HOME": str(home)})
+        env.update(
+            {"PREFECT_API_URL": self.api_url, "PREFECT_HOME": str(home), "PREFECT_API_AUTH_STRING": self.auth_string}
+        )
         env.update(extra or {})
         return env
+
+    def api(self) -> PrefectApi:
+        """A REST client that authenticates to this server (basic auth + CSRF token)."""
+        return PrefectApi(self.api_url, self.auth_string)
 
     def log_tail(self, n: int = 60) -> str:
         """Last lines of the server log, for failure messages."""
@@ -172,29 +184,38 @@ class _PortTaken(Exception):
     """The server exited because its port was taken after free_port() chose it."""
 
 
+def new_auth_string() -> str:
+    """A fresh `user:password` auth string, as infra/prefect-auth.sh generates one."""
+    return f"datagen:{secrets.token_urlsafe(30)}"
+
+
 def _launch_server(state_dir: Path, extra_env: Mapping[str, str] | None) -> PrefectServer:
     port = free_port()
+    auth_string = new_auth_string()
     env = _base_env()
     env.update(
         {
             "PREFECT_HOME": str(state_dir / "server-home"),
             # The UI computes its API URL from these settings, not from --port: set before start.
-            "PREFECT_SERVER_API_HOST": "127.0.0.1",
             "PREFECT_SERVER_API_PORT": str(port),
+            "PREFECT_SERVER_API_AUTH_STRING": auth_string,
+            "PREFECT_BIN": str(_VENV_BIN / "prefect"),
         }
     )
     env.update(extra_env or {})
     log_path = state_dir / "server.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [str(_VENV_BIN / "prefect"), "server", "start"],
+            ["bash", str(REPO_ROOT / "infra" / "prefect-server.sh"), "run"],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=state_dir,
             start_new_session=True,
         )
-    return PrefectServer(port=port, home=state_dir / "server-home", log_path=log_path, process=proc)
+    return PrefectServer(
+        port=port, home=state_dir / "server-home", log_path=log_path, process=proc, auth_string=auth_string
+    )
 
 
 def _wait_healthy(server: PrefectServer, startup_timeout: float) -> None:
@@ -310,12 +331,56 @@ def worker_env(s3: LocalS3, s3_prefix: str, work_dir: Path, length_mean: int, le
     }
 
 
+class PrefectAuth(httpx.Auth):
+    """What Prefect's own client does against a secured server: basic auth, and a CSRF token on every change.
+
+    The token comes from `GET /csrf-token?client=<id>` (itself behind basic auth) and goes with each POST, PUT,
+    PATCH and DELETE as Prefect-Csrf-Token / Prefect-Csrf-Client; it is fetched again when refused or expired.
+    """
+
+    requires_response_body = True
+    _CHANGES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+    def __init__(self, auth_string: str) -> None:
+        self.header = "Basic " + base64.b64encode(auth_string.encode()).decode()
+        self.client_id = uuid.uuid4().hex
+        self.token: str | None = None
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        request.headers["Authorization"] = self.header
+        if request.method not in self._CHANGES:
+            yield request
+            return
+        for attempt in range(2):
+            if self.token is None:
+                url = request.url.copy_with(path=_api_root(request.url.path) + "/csrf-token", query=None)
+                fetch = httpx.Request("GET", url, params={"client": self.client_id})
+                fetch.headers["Authorization"] = self.header
+                answer = yield fetch
+                if answer.status_code != 200:
+                    yield request  # let the server say why (401 with a wrong auth string)
+                    return
+                self.token = str(answer.json()["token"])
+            request.headers["Prefect-Csrf-Token"] = self.token
+            request.headers["Prefect-Csrf-Client"] = self.client_id
+            response = yield request
+            if response.status_code != 403 or "CSRF" not in response.text or attempt == 1:
+                return
+            self.token = None  # expired or forgotten by the server: fetch a new one, once
+
+
+def _api_root(path: str) -> str:
+    """`/api` from `/api/deployments/...` (the CSRF endpoint sits at the API's root)."""
+    return path[: path.index("/api") + 4] if "/api" in path else ""
+
+
 class PrefectApi:
     """The few REST calls the tests (and users' scripts) make against a Prefect server."""
 
-    def __init__(self, api_url: str) -> None:
+    def __init__(self, api_url: str, auth_string: str | None = None) -> None:
         self.transport = RetryingTransport()
-        self.client = httpx.Client(base_url=api_url, timeout=30, transport=self.transport)
+        auth = PrefectAuth(auth_string) if auth_string else None
+        self.client = httpx.Client(base_url=api_url, timeout=30, transport=self.transport, auth=auth)
 
     def close(self) -> None:
         """Close the HTTP connection pool."""
@@ -334,14 +399,17 @@ class PrefectApi:
         parameters: Mapping[str, Any],
         job_variables: Mapping[str, Any] | None = None,
         name: str | None = None,
+        work_queue: str | None = None,
     ) -> httpx.Response:
         """POST /deployments/{id}/create_flow_run; the raw response (the caller checks the status)."""
         # The idempotency key makes the retry below safe: a repeated POST returns the same flow run.
         body: dict[str, Any] = {"parameters": dict(parameters), "idempotency_key": uuid.uuid4().hex}
-        if job_variables:
+        if job_variables is not None:
             body["job_variables"] = dict(job_variables)
         if name:
             body["name"] = name
+        if work_queue:
+            body["work_queue_name"] = work_queue
         # SQLite busy ("database is locked") comes back as 503: the transport retries it (and connection errors).
         return self.client.post(f"/deployments/{deployment_id}/create_flow_run", json=body)
 

@@ -32,7 +32,6 @@ from tasks.shard_exchange import ShardExchange
 from tests.prefect_fixtures import (
     POOL,
     REPO_ROOT,
-    PrefectApi,
     PrefectServer,
     prefect_server,
     run_deploy,
@@ -152,7 +151,7 @@ def test_two_boxes_share_a_run_and_a_killed_box_loses_nothing(
         stack.callback(lambda: [_kill_marked(f"DATAGEN_WORK_DIR={p}") for p in work.values()])
         server = stack.enter_context(prefect_server(root / "prefect"))
         run_deploy(server, root / "cli-home", {"DATAGEN_HOME": "/nonexistent/deploy-machine-path"})
-        api = PrefectApi(server.api_url)
+        api = server.api()
         stack.callback(api.close)
         stack.enter_context(_queue_worker(server, root, "control", box_env("control")))
         worker_b = stack.enter_context(_queue_worker(server, root, "box-b", box_env("box-b")))

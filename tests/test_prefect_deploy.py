@@ -25,7 +25,6 @@ from tests.prefect_fixtures import (
     POOL,
     PrefectApi,
     PrefectServer,
-    free_port,
     prefect_server,
     prefect_worker,
     run_deploy,
@@ -104,6 +103,8 @@ class Stack:
     prompts: Path
     model_dir: Path
     alerts: WebhookReceiver
+    box_env: dict[str, str]  # the worker's DATAGEN_* settings: the box's environment file
+    root: Path
 
 
 def fast_spec(stack: Stack, namespace: str, **overrides: Any) -> dict[str, Any]:
@@ -149,30 +150,27 @@ def stack(tmp_path_factory: pytest.TempPathFactory, local_s3: LocalS3) -> Iterat
         deploy_output = run_deploy(server, root / "cli-home", deploy_env)
         assert "automation 'datagen: a run failed or crashed' installed" in deploy_output, deploy_output
         worker_log = root / "worker.log"
+        # Settings come from the box, never from a run: free ports per server start (DATAGEN_BASE_PORT=0), so
+        # servers of a run that went wrong can never collide with the next run's.
+        box_env = worker_env(local_s3, s3_prefix, root / "work", length_mean=24, length_max=48)
+        box_env["DATAGEN_BASE_PORT"] = "0"
+        # This worker serves the default queue only: a run sent to another box's queue waits for that box.
         stack.enter_context(
-            prefect_worker(
-                server,
-                root / "worker-home",
-                worker_log,
-                worker_env(local_s3, s3_prefix, root / "work", length_mean=24, length_max=48),
-            )
+            prefect_worker(server, root / "worker-home", worker_log, {**box_env, "DATAGEN_WORK_QUEUE": "default"})
         )
-        api = PrefectApi(server.api_url)
+        api = server.api()
         stack.callback(api.close)
-        yield Stack(server, api, store, worker_log, prompts, model_dir, receiver)
+        yield Stack(server, api, store, worker_log, prompts, model_dir, receiver, box_env, root)
 
 
 def _deployment_id(stack: Stack, name: str, flow: str = FLOW) -> str:
     return str(stack.api.deployment(flow, name)["id"])
 
 
-def _start(stack: Stack, deployment: str, parameters: dict[str, Any], flow: str = FLOW, **env: str) -> str:
-    # Per-run job variables are merged into the worker's environment for that flow run only. A fresh
-    # base port per run: servers of a run that went wrong can never collide with the next run's.
-    job_env = {"DATAGEN_BASE_PORT": str(free_port()), **env}
-    response = stack.api.create_flow_run(
-        _deployment_id(stack, deployment, flow), parameters, job_variables={"env": job_env}
-    )
+def _start(
+    stack: Stack, deployment: str, parameters: dict[str, Any], flow: str = FLOW, work_queue: str | None = None
+) -> str:
+    response = stack.api.create_flow_run(_deployment_id(stack, deployment, flow), parameters, work_queue=work_queue)
     assert response.status_code == 201, response.text
     return str(response.json()["id"])
 
@@ -339,15 +337,19 @@ def test_unsupported_server_flag_fails_the_environment_check_task_before_any_ser
 def test_server_that_dies_at_startup_fails_the_run_with_its_log_lines(stack: Stack) -> None:
     # The box claims Hopper (fa3 allowed) but the GPU is really SM120: the environment check passes and the
     # server itself dies at startup with SGLang's assertion; its last log lines must reach the API.
+    # That belief is the box's own settings (a run cannot change them): a second box, with its own worker and queue.
     spec = fast_spec(stack, "prefect-e2e-broken", server_args=["--attention-backend", "fa3"])
-    flow_run_id = _start(
-        stack,
-        "manual",
-        {"spec": spec},
-        DATAGEN_ALLOWED_COMPUTE_CAPABILITIES='["9.0"]',
-        DATAGEN_STANDIN_GPU_ARCH="12.0",
-    )
-    run = stack.api.wait_for_flow_run(flow_run_id, RUN_TIMEOUT_S, diagnostics=stack.worker_log)
+    box_env = {
+        **stack.box_env,
+        "DATAGEN_WORK_QUEUE": "hopper-claims",
+        "DATAGEN_WORKER_NAME": "hopper-claims",
+        "DATAGEN_ALLOWED_COMPUTE_CAPABILITIES": '["9.0"]',
+        "DATAGEN_STANDIN_GPU_ARCH": "12.0",
+    }
+    worker_log = stack.root / "hopper-claims-worker.log"
+    with prefect_worker(stack.server, stack.root / "hopper-claims-home", worker_log, box_env):
+        flow_run_id = _start(stack, "manual", {"spec": spec}, work_queue="hopper-claims")
+        run = stack.api.wait_for_flow_run(flow_run_id, RUN_TIMEOUT_S, diagnostics=worker_log)
     assert run["state_type"] == "FAILED", _failure_report(stack, flow_run_id, run)
     # SGLang's (and the stand-in's) own words, from the server log's tail, in the run's state and logs.
     server_line = "backends are supported on Blackwell GPUs for hybrid GDN models. Got fa3"

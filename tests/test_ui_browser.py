@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from playwright.sync_api import Page, sync_playwright
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
-from playwright.sync_api import sync_playwright
 
 from datagen.localstack import LocalS3
 from datagen.model_fixture import ensure_model_dir
@@ -92,7 +92,7 @@ def ui_stack(tmp_path_factory: pytest.TempPathFactory, local_s3: LocalS3) -> Ite
         # Runs started from the UI get no per-run environment: the worker's is theirs.
         env["DATAGEN_BASE_PORT"] = str(free_port())
         stack.enter_context(prefect_worker(server, root / "worker-home", worker_log, env))
-        api = PrefectApi(server.api_url)
+        api = server.api()
         stack.callback(api.close)
         yield UiStack(
             server=server,
@@ -123,8 +123,9 @@ def test_run_started_from_the_ui_form_completes(ui_stack: UiStack, tmp_path: Pat
             # /ui-settings must name this server's API (PREFECT_SERVER_API_PORT set before start).
             settings = page.request.get(f"{ui_stack.server.url}/ui-settings").json()
             assert settings["api_url"] == ui_stack.server.api_url
+            assert settings["auth"] == "BASIC" and settings["csrf_enabled"] is True, settings
 
-            page.goto(f"{ui_stack.server.url}/v2/deployments/deployment/{deployment['id']}/run")
+            _log_in(page, ui_stack, f"/v2/deployments/deployment/{deployment['id']}/run")
             page.get_by_label("Namespace (Optional)", exact=True).wait_for()
             form_text = page.inner_text("body")
             # Descriptions reach the form whole: no "</think>" for the UI to swallow, dry_run explained.
@@ -194,6 +195,19 @@ def test_run_started_from_the_ui_form_completes(ui_stack: UiStack, tmp_path: Pat
     assert ui_stack.store.exists(f"{namespace}/manifest.json")
 
 
+def _log_in(page: Page, ui_stack: UiStack, path: str) -> None:
+    """Open `path` as a person does: the UI asks for the server's auth string first, then goes where it was sent."""
+    page.goto(f"{ui_stack.server.url}{path}")
+    box = page.get_by_placeholder("admin:pass")
+    box.wait_for(timeout=60_000)
+    box.fill(ui_stack.server.auth_string)
+    page.get_by_role("button", name="Login", exact=True).click()
+    box.wait_for(state="detached", timeout=60_000)
+    # The login page sends the person back to the page they asked for.
+    if path.split("?")[0] not in page.url:
+        page.goto(f"{ui_stack.server.url}{path}")
+
+
 def _wait_for_run_named(api: PrefectApi, deployment_id: str, name: str, timeout: float = 60.0) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
@@ -232,7 +246,7 @@ def test_failed_run_page_shows_the_failing_task_and_message(ui_stack: UiStack, t
         )
         page = browser.new_page()
         try:
-            page.goto(f"{ui_stack.server.url}/v2/runs/flow-run/{flow_run_id}")
+            _log_in(page, ui_stack, f"/v2/runs/flow-run/{flow_run_id}")
             page.get_by_text("expand ui-failed-run").first.wait_for(timeout=60_000)
             page.get_by_text("Failed", exact=True).first.wait_for(timeout=60_000)
             page.screenshot(path=str(SCREENSHOTS / "failed-run.png"))
