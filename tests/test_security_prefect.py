@@ -328,14 +328,27 @@ def test_a_run_with_job_variables_is_refused(target: Target, job_variables: dict
     assert response.status_code == 422, response.text
     assert "Additional properties are not allowed" in response.json()["detail"], response.text
     assert _flow_run_ids(target) == before
-    # Nor can a scheduled run be given them afterwards, nor the deployment.
+    # Nor can a scheduled run be given them afterwards.
     run = _scheduled_run(target)
     patched = target.api.client.patch(f"/flow_runs/{run['id']}", json={"job_variables": job_variables})
     assert patched.status_code == 422, patched.text
-    deployment = target.api.client.patch(
-        f"/deployments/{target.deployment['id']}", json={"job_variables": job_variables}
-    )
-    assert deployment.status_code == 422, deployment.text
+    assert target.api.flow_run(run["id"])["job_variables"] == {}
+
+
+def test_job_variables_patched_into_a_deployment_get_no_run_started(target: Target) -> None:
+    # Prefect 3.9.1 stores a deployment PATCH's job variables unchecked (only auth-string holders can send one);
+    # every run of that deployment then fails the pool's schema, and the worker has no slot for them anyway.
+    path = f"/deployments/{target.deployment['id']}"
+    before = _flow_run_ids(target)
+    patched = target.api.client.patch(path, json={"job_variables": {"command": "touch /tmp/datagen-pwned"}})
+    try:
+        assert patched.status_code in (204, 422), patched.text
+        response = target.api.create_flow_run(target.deployment["id"], {"spec": target.spec})
+        assert response.status_code == 422 and "command" in response.text, response.text
+        assert _flow_run_ids(target) == before
+    finally:
+        restored = target.api.client.patch(path, json={"job_variables": {}})
+        assert restored.status_code == 204, restored.text
 
 
 def test_pool_and_deployments_expose_no_job_variables(target: Target) -> None:
