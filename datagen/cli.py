@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import socket
 import sys
 import time
@@ -29,6 +30,12 @@ def _quiet_prefect_defaults() -> None:
     # Prefect's client retries 503 (a busy SQLite) and connection errors with 2**n s backoff: 7 tries ride out
     # about 4 minutes of a loaded server instead of the default 5 (about 1 minute).
     os.environ.setdefault("PREFECT_CLIENT_MAX_RETRIES", "7")
+    if not os.environ.get("PREFECT_API_URL"):
+        # Embedded Prefect: a temporary server on a loopback port for this process's life. A per-process auth
+        # string keeps the machine's other users out of it (docs/security.md); its subprocess inherits both.
+        auth = os.environ.get("PREFECT_API_AUTH_STRING") or f"datagen:{secrets.token_urlsafe(30)}"
+        os.environ.setdefault("PREFECT_SERVER_API_AUTH_STRING", auth)
+        os.environ.setdefault("PREFECT_API_AUTH_STRING", auth)
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -235,7 +242,9 @@ def _cmd_laptop(args: argparse.Namespace) -> int:
     print(
         "start a worker with them:  set -a; . "
         f"{env_file}; set +a; bash infra/prefect-worker.sh\n"
-        "start a run:               prefect deployment run expand-dataset/manual "
+        # The server is authenticated (docs/security.md): infra/prefect-server.sh writes its auth string here.
+        'start a run:               PREFECT_API_AUTH_STRING="$(cat .datagen/prefect-auth)" '
+        "prefect deployment run expand-dataset/manual "
         f'--params "$(cat {spec_file})" --watch'
     )
     return 0

@@ -24,7 +24,11 @@ secure_server_env() {
   if [ -z "${PREFECT_SERVER_API_AUTH_STRING:-}" ]; then
     file=$(datagen_auth_file "$root")
     auth_file=$file
-    datagen_ensure_auth_file "$file"
+    if ! datagen_ensure_auth_file "$file" 2>/dev/null; then
+      echo "prefect-server.sh: no PREFECT_SERVER_API_AUTH_STRING and $file cannot be written: set it in the" \
+        "server's environment (docs/security.md)" >&2
+      exit 2
+    fi
     PREFECT_SERVER_API_AUTH_STRING=$(datagen_read_auth_file "$file" prefect-server.sh)
     export PREFECT_SERVER_API_AUTH_STRING
   fi
