@@ -64,7 +64,30 @@ class Settings(BaseSettings):
     server_start_timeout_s: float = Field(1800.0, gt=0, description="How long a server may take to become healthy.")
 
     # --- Local state -------------------------------------------------------------------------
-    work_dir: Path = Field(Path(".datagen"), description="Checkpoints, server logs and Prefect task results.")
+    work_dir: Path = Field(
+        Path(".datagen"), description="Checkpoints, server logs and Prefect task results (made 0700 by every run)."
+    )
+    data_roots: list[Path] = Field(
+        default_factory=lambda: [Path("data")],
+        description=(
+            "Directories prompt sources must resolve under (symlinks and '..' followed); relative roots are taken "
+            "from the working directory (a deployed worker's is the checkout, so 'data' is its bundled prompts)."
+        ),
+    )
+    model_roots: list[Path] = Field(
+        default_factory=lambda: [Path("/dev/shm"), Path.home() / ".cache" / "datagen"],
+        description=(
+            "Directories RunSpec.model_path must resolve under: the staged model in /dev/shm, and the fixture "
+            "model directory of laptops and tests (~/.cache/datagen)."
+        ),
+    )
+    hub_datasets: bool = Field(
+        False,
+        description=(
+            "Let prompt sources name Hugging Face Hub datasets (org/name) that are not local paths under "
+            "data_roots; off: every source is a local path under data_roots."
+        ),
+    )
 
     # --- Multi-box runs ----------------------------------------------------------------------
     box_name: str | None = Field(
