@@ -62,6 +62,7 @@ MANAGED_FLAGS: dict[str, str] = {
     "--enable-lora": _LOADED,
     "--lora-paths": _LOADED,
     "--speculative-draft-model-path": _LOADED,
+    "--speculative-draft-model": "alias of --speculative-draft-model-path: " + _LOADED,
     "--custom-weight-loader": _CODE,
     "--forward-hooks": _CODE,
 }
@@ -87,6 +88,7 @@ TUNING_FLAGS: frozenset[str] = frozenset(
         "--mamba-radix-cache-strategy",
         "--mamba-track-interval",
         "--enable-hierarchical-cache",
+        "--enable-hicache",
         "--hicache-ratio",
         "--hicache-size",
         # scheduling

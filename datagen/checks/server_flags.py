@@ -23,6 +23,7 @@ from datagen.checks import CheckResult
 from datagen.engine.launcher import free_ports_below_ephemeral, launch_flags, server_env, write_key_config
 from datagen.runspec import RunSpec
 from datagen.settings import Settings
+from datagen.tuning import ServerArgsError
 
 __all__ = [
     "PROBE_SCRIPT",
@@ -118,7 +119,14 @@ def server_flag_checks(settings: Settings, spec: RunSpec) -> list[CheckResult]:
     no_gpu = settings.engine == "sglang" and settings.skip_gpu_checks
     with tempfile.TemporaryDirectory(prefix="datagen-flags-") as tmp:  # the key file as servers get it
         key_config = write_key_config(Path(tmp) / "key.yaml", SecretStr("***"))
-        args = launch_flags(settings, spec, settings.base_port, key_config, nccl_port)
+        try:
+            args = launch_flags(settings, spec, settings.base_port, key_config, nccl_port)
+        except ServerArgsError as exc:  # a flag the run may not set: the engine never sees it
+            return [
+                CheckResult("engine.server_flags", "fail", str(exc)),
+                CheckResult("engine.settings", "skipped", "the run's server_args are refused"),
+                CheckResult("engine.attention_backend", "skipped", "the run's server_args are refused"),
+            ]
         report = run_flag_probe(settings, args, resolve=model_dir.is_dir() and not no_gpu)
     backend = check_attention_backend(args, settings.allowed_compute_capabilities)
     if isinstance(report, str):
