@@ -147,7 +147,7 @@ def test_sources_outside_the_data_roots_are_refused_whatever_the_spelling(
 
 
 def test_refusal_reads_the_same_whether_the_outside_file_exists_or_not(roots: tuple[Settings, Path, Path]) -> None:
-    settings, data, outside = roots
+    settings, _, outside = roots
     messages = []
     for _ in range(2):
         with pytest.raises(PathNotAllowed) as info:
@@ -160,7 +160,7 @@ def test_refusal_reads_the_same_whether_the_outside_file_exists_or_not(roots: tu
 
 
 def test_model_path_outside_the_model_roots_is_refused(roots: tuple[Settings, Path, Path]) -> None:
-    settings, data, outside = roots
+    settings, data, _ = roots
     with pytest.raises(PathNotAllowed, match="model_path '/etc' is not under"):
         secure_run(settings, _spec(str(data / "ok.jsonl"), model="/etc"))
     with pytest.raises(PathNotAllowed, match="model_path"):
