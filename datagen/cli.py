@@ -106,11 +106,13 @@ def summary_text(report: dict[str, Any]) -> str:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     spec = load_spec(args.config, args.set)
+    from datagen.paths import secure_run
     from datagen.settings import Settings
     from datagen.storage import ObjectStore, s3_preflight
     from tasks.environment import format_report, run_checks
 
     settings = Settings()
+    secure_run(settings, spec)
     store = ObjectStore.from_settings(settings)
     results = run_checks(settings, spec, s3_check=lambda: s3_preflight(store, spec.namespace, resume=args.resume))
     print(format_report(results))

@@ -57,8 +57,11 @@ LOAD_REJECT_REASONS = frozenset(
         "duplicate_prompt",
         "template_error",
         "prompt_too_long",
+        "bad_category",
     }
 )
+# A category value is copied into the dataset, its card and the UI: a short plain label, never markup or control text.
+_CATEGORY_RE = re.compile(r"^\w[\w .:/+&()-]{0,63}$")
 
 _USER_ROLES = frozenset({"human", "user"})
 _ASSISTANT_ROLES = frozenset({"gpt", "assistant", "chatgpt", "model"})
@@ -811,4 +814,11 @@ def _category(row: dict[str, Any], field: str | None) -> str | None:
     if isinstance(value, bool) or not isinstance(value, str | int):
         raise _RowError("wrong_type", f"category field {field!r} must be a string, got {type(value).__name__}")
     text = str(value).strip()
+    if text and not _CATEGORY_RE.match(text):
+        # The value itself is not echoed: the detail lands in published rejects and the UI.
+        raise _RowError(
+            "bad_category",
+            f"category field {field!r} holds {len(text)} characters that are not a plain label (letters, digits, "
+            "spaces and _ - . : / + & ( ), at most 64)",
+        )
     return text or None

@@ -11,11 +11,17 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from datagen.tuning import check_server_args
+
 __all__ = ["AUTO_NAMESPACE", "PromptSource", "QualityGate", "RunSpec", "SamplingSpec", "Target", "ValidationSpec"]
 
 AUTO_NAMESPACE = "auto"  # RunSpec.namespace value: the flow picks the next free `expansion_vN`
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _BOX_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+# A run directory's name under work_dir/runs/ (namespaces, pilots): one path component, never '.' or '..'.
+RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+# A field name of a prompt row: copied into reports, so a plain identifier (dots allowed for nested-looking keys).
+FIELD_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$"
 
 
 class PromptSource(BaseModel):
@@ -36,7 +42,12 @@ class PromptSource(BaseModel):
     )
     split: str = Field("train", description="Dataset split (Hugging Face datasets only).")
     category_field: str | None = Field(
-        None, description="Row field holding a category label (e.g. 'category'), used for mix reports and caps."
+        None,
+        pattern=FIELD_NAME_PATTERN,
+        description=(
+            "Row field holding a category label (e.g. 'category'), used for mix reports and caps: a plain field "
+            "name (letters, digits, '_', '.', '-'; at most 64)."
+        ),
     )
     max_rows: int | None = Field(None, ge=1, description="Read at most this many rows from the source.")
     allow_partial_read: bool = Field(
@@ -165,6 +176,7 @@ class RunSpec(BaseModel):
     selection_seed: int = Field(0, description="Seed of the random sample that source/category targets take.")
     pilot: str | None = Field(
         None,
+        pattern=RUN_NAME_PATTERN,
         description=(
             "Name of a finished pilot run (flow `pilot`) on this box: its completions are reused instead of "
             "generated again, and its length estimates order dispatch when order is 'long_first'."
@@ -191,7 +203,11 @@ class RunSpec(BaseModel):
     server_args: list[str] = Field(
         default_factory=list,
         title="Advanced: Server Args",
-        description="Extra launch flags for every server (judged by the engine's own parser).",
+        description=(
+            "Extra tuning flags for every server, written in full (--flag value or --flag=value): only flags on "
+            "the allow-list in docs/real-engine.md; flags the box manages (host, port, keys, model, tokenizer, "
+            "code loading) are refused. Values are judged by the engine's own parser."
+        ),
     )
     max_prompt_tokens: int | None = Field(
         None,
@@ -214,6 +230,12 @@ class RunSpec(BaseModel):
                 "namespace must be 1-128 characters of letters, digits, '.', '_' or '-', "
                 "starting with a letter or digit"
             )
+        return v
+
+    @field_validator("server_args")
+    @classmethod
+    def _server_args(cls, v: list[str]) -> list[str]:
+        check_server_args(v)  # a ValueError: the run form or the flow refuses the run before anything starts
         return v
 
     @field_validator("served_model_name")

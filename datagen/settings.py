@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["Settings"]
@@ -61,10 +61,34 @@ class Settings(BaseSettings):
     sglang_api_key: SecretStr | None = Field(
         None, description="API key for the servers; when None, a random key is made for servers the pipeline starts."
     )
+
     server_start_timeout_s: float = Field(1800.0, gt=0, description="How long a server may take to become healthy.")
 
     # --- Local state -------------------------------------------------------------------------
-    work_dir: Path = Field(Path(".datagen"), description="Checkpoints, server logs and Prefect task results.")
+    work_dir: Path = Field(
+        Path(".datagen"), description="Checkpoints, server logs and Prefect task results (made 0700 by every run)."
+    )
+    data_roots: list[Path] = Field(
+        default_factory=lambda: [Path("data")],
+        description=(
+            "Directories prompt sources must resolve under (symlinks and '..' followed); relative roots are taken "
+            "from the working directory (a deployed worker's is the checkout, so 'data' is its bundled prompts)."
+        ),
+    )
+    model_roots: list[Path] = Field(
+        default_factory=lambda: [Path("/dev/shm"), Path.home() / ".cache" / "datagen"],
+        description=(
+            "Directories RunSpec.model_path must resolve under: the staged model in /dev/shm, and the fixture "
+            "model directory of laptops and tests (~/.cache/datagen)."
+        ),
+    )
+    hub_datasets: bool = Field(
+        False,
+        description=(
+            "Let prompt sources name Hugging Face Hub datasets (org/name) that are not local paths under "
+            "data_roots; off: every source is a local path under data_roots."
+        ),
+    )
 
     # --- Multi-box runs ----------------------------------------------------------------------
     box_name: str | None = Field(
@@ -82,3 +106,11 @@ class Settings(BaseSettings):
         default_factory=lambda: ["12.0"], description="Compute capabilities the GPUs must have."
     )
     require_tmpfs_model: bool = Field(True, description="Require the model directory to live on tmpfs.")
+
+    @field_validator("sglang_api_key")
+    @classmethod
+    def _key_not_a_flag(cls, v: SecretStr | None) -> SecretStr | None:
+        # SGLang's --config merge passes it as `--api-key <key>`: a leading "-" would read as another flag.
+        if v is not None and v.get_secret_value().startswith("-"):
+            raise ValueError("DATAGEN_SGLANG_API_KEY must not start with '-' (SGLang would read it as a flag)")
+        return v

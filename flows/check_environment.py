@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 
-from datagen import alerts, report
+from datagen import alerts, paths, report
 from datagen.runspec import RunSpec
 from datagen.settings import Settings
 from datagen.storage import ObjectStore, s3_preflight
@@ -22,6 +22,7 @@ __all__ = ["check_environment"]
 def check_environment(spec: RunSpec = RunSpec(), resume: bool = False) -> list[dict[str, str]]:  # noqa: B008
     """Run every environment check for `spec` on this box; fail the run if one fails."""
     settings = Settings()
+    paths.secure_run(settings, spec)  # run paths under the box's roots, a private work dir: before anything
     store = ObjectStore.from_settings(settings)
     results = environment.run_checks(settings, spec, s3_check=lambda: s3_preflight(store, spec.namespace, resume))
     rows: list[dict[str, str]] = environment.report_rows(results)

@@ -30,7 +30,7 @@ from prefect.states import Completed
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 import datagen
-from datagen import alerts, catalog, report
+from datagen import alerts, catalog, paths, report
 from datagen.chat import ChatTokenizer
 from datagen.checks import CheckResult
 from datagen.dataset_card import Lineage, write_dataset_card
@@ -246,6 +246,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
     logger = get_run_logger()
     report.quiet_per_shard_completions()  # no line per shard task run: the progress lines stay readable
     settings = Settings()
+    paths.secure_run(settings, spec)  # run paths under the box's roots, a private work dir: before anything
     store = ObjectStore.from_settings(settings)
     if spec.namespace == AUTO_NAMESPACE:
         spec = spec.model_copy(update={"namespace": catalog.next_expansion_namespace(store)})

@@ -38,7 +38,7 @@ from prefect.states import Crashed
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 import datagen
-from datagen import alerts
+from datagen import alerts, paths
 from datagen.chat import ChatTokenizer
 from datagen.engine.dispatcher import Dispatcher
 from datagen.layout import RunLayout
@@ -116,6 +116,7 @@ def generate_on_box(
     logger = get_run_logger()
     quiet_per_shard_completions()  # no line per shard task run: the progress lines stay readable
     settings = Settings()
+    paths.secure_run(settings, spec, sources=False)  # this box reads the plan from S3, not the sources
     this_box = settings.box_name or socket.gethostname()
     if box and box != this_box:
         raise BoxMismatch(f"this run is for box {box!r} but reached box {this_box!r} (DATAGEN_BOX_NAME)")
@@ -296,6 +297,7 @@ def expand_dataset_multibox(
     quiet_per_shard_completions()  # no line per shard task run: the progress lines stay readable
     started = time.monotonic()
     settings = Settings()
+    paths.secure_run(settings, spec)  # run paths under the box's roots, a private work dir: before anything
     layout = RunLayout.for_run(settings.work_dir, spec.namespace)
     layout.root.mkdir(parents=True, exist_ok=True)
     store = ObjectStore.from_settings(settings)

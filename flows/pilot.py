@@ -17,7 +17,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
-from datagen import alerts, report
+from datagen import alerts, paths, report
 from datagen.catalog import published_prompt_ids
 from datagen.chat import ChatTokenizer
 from datagen.engine.dispatcher import Dispatcher
@@ -45,6 +45,7 @@ def pilot_flow(spec: RunSpec = RunSpec(), pilot_spec: pilot.PilotSpec = pilot.Pi
     """Generate and validate a sample of the run's prompts; project tokens, time, GPU-hours and size for all."""
     logger = get_run_logger()
     settings = Settings()
+    paths.secure_run(settings, spec)  # run paths under the box's roots, a private work dir: before anything
     store = ObjectStore.from_settings(settings)
     layout = RunLayout.for_run(settings.work_dir, pilot_spec.name)
     layout.root.mkdir(parents=True, exist_ok=True)

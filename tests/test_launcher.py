@@ -29,6 +29,7 @@ from datagen.runspec import RunSpec
 from datagen.settings import Settings
 
 KEY = SecretStr("k3y-never-shown")
+KEY_FILE = Path("/run/datagen/key.yaml")  # command lines only name it
 
 
 def pid_gone(pid: int) -> bool:
@@ -43,7 +44,7 @@ def pid_gone(pid: int) -> bool:
 def test_sglang_command_has_the_recommended_flags_and_flashinfer_on_sm120() -> None:
     settings = Settings(engine="sglang", engine_python="/opt/sglang/bin/python", base_port=30000)
     spec = RunSpec(context_length=65536, server_args=["--disable-radix-cache"])
-    argv = server_command(settings, spec, 3, KEY, nccl_port=41000)
+    argv = server_command(settings, spec, 3, KEY_FILE, nccl_port=41000)
     assert argv[:3] == ["/opt/sglang/bin/python", "-m", "sglang.launch_server"]
     flags = argv[3:]
     pairs = dict(itertools.pairwise(flags))
@@ -51,7 +52,8 @@ def test_sglang_command_has_the_recommended_flags_and_flashinfer_on_sm120() -> N
     assert pairs["--served-model-name"] == "qwen3.6-27b"
     assert pairs["--host"] == "127.0.0.1"
     assert pairs["--port"] == "30003"
-    assert "--api-key=k3y-never-shown" in flags  # one token, so a key like "-x" cannot read as a flag
+    assert pairs["--config"] == str(KEY_FILE)  # the key is read from this file, never on the command line
+    assert not any(f.startswith("--api-key") for f in flags)
     assert pairs["--tp-size"] == "1"
     assert pairs["--reasoning-parser"] == "qwen3"
     assert pairs["--context-length"] == "65536"
@@ -67,7 +69,7 @@ def test_standin_gets_the_same_flags_through_this_interpreter() -> None:
     sg = Settings(engine="sglang", engine_python="/opt/sglang/bin/python")
     st = Settings(engine="standin", engine_python="/opt/sglang/bin/python")
     assert engine_command(st) == [sys.executable, "-m", "datagen.standin"]
-    assert server_command(st, spec, 0, KEY)[3:] == server_command(sg, spec, 0, KEY)[3:]
+    assert server_command(st, spec, 0, KEY_FILE)[3:] == server_command(sg, spec, 0, KEY_FILE)[3:]
 
 
 def test_attention_backend_by_architecture() -> None:
@@ -76,7 +78,7 @@ def test_attention_backend_by_architecture() -> None:
     assert arch_args(["10.0"]) == []
     assert arch_args(["12.0"], ["--attention-backend", "triton"]) == []  # the spec's choice wins
     settings = Settings(allowed_compute_capabilities=["9.0"])
-    assert "--attention-backend" not in launch_flags(settings, RunSpec(), 30000, "k")
+    assert "--attention-backend" not in launch_flags(settings, RunSpec(), 30000, KEY_FILE)
 
 
 def test_nccl_ports_are_free_distinct_and_below_the_ephemeral_range(tmp_path: Path) -> None:

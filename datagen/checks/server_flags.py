@@ -12,14 +12,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pydantic import SecretStr
+
 from datagen.checks import CheckResult
-from datagen.engine.launcher import free_ports_below_ephemeral, launch_flags, server_env
+from datagen.engine.launcher import free_ports_below_ephemeral, launch_flags, server_env, write_key_config
 from datagen.runspec import RunSpec
 from datagen.settings import Settings
+from datagen.tuning import ServerArgsError
 
 __all__ = [
     "PROBE_SCRIPT",
@@ -110,12 +114,21 @@ def server_flag_checks(settings: Settings, spec: RunSpec) -> list[CheckResult]:
     # fleet picks it, so its flag and value are judged too.
     serving = range(settings.base_port, settings.base_port + settings.num_servers)
     nccl_port = free_ports_below_ephemeral(1, exclude=serving)[0]
-    args = launch_flags(settings, spec, settings.base_port, "***", nccl_port)
-    backend = check_attention_backend(args, settings.allowed_compute_capabilities)
     engine = "sglang" if settings.engine == "sglang" else "the stand-in"
     model_dir = Path(spec.model_path)
     no_gpu = settings.engine == "sglang" and settings.skip_gpu_checks
-    report = run_flag_probe(settings, args, resolve=model_dir.is_dir() and not no_gpu)
+    with tempfile.TemporaryDirectory(prefix="datagen-flags-") as tmp:  # the key file as servers get it
+        key_config = write_key_config(Path(tmp) / "key.yaml", SecretStr("***"))
+        try:
+            args = launch_flags(settings, spec, settings.base_port, key_config, nccl_port)
+        except ServerArgsError as exc:  # a flag the run may not set: the engine never sees it
+            return [
+                CheckResult("engine.server_flags", "fail", str(exc)),
+                CheckResult("engine.settings", "skipped", "the run's server_args are refused"),
+                CheckResult("engine.attention_backend", "skipped", "the run's server_args are refused"),
+            ]
+        report = run_flag_probe(settings, args, resolve=model_dir.is_dir() and not no_gpu)
+    backend = check_attention_backend(args, settings.allowed_compute_capabilities)
     if isinstance(report, str):
         why = f"cannot run the engine's own parser: {report}"
         return [

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import random
+import re
 import shlex
 import signal
 import socket
@@ -43,9 +44,11 @@ from pydantic import SecretStr
 
 from datagen.endpoints import ServerEndpoint
 from datagen.layout import RunLayout
+from datagen.paths import private_dir, private_file
 from datagen.redact import redact_lines, redact_text
 from datagen.runspec import RunSpec
 from datagen.settings import Settings
+from datagen.tuning import check_server_args
 
 __all__ = [
     "ATTACH_HEALTH_TIMEOUT_S",
@@ -65,6 +68,7 @@ __all__ = [
     "server_command",
     "server_env",
     "stop_process_group",
+    "write_key_config",
 ]
 
 logger = logging.getLogger(__name__)
@@ -121,8 +125,20 @@ def arch_args(capabilities: Sequence[str], user_args: Sequence[str] = ()) -> lis
     return []  # elsewhere SGLang's own default (fa3 on Hopper, triton/trtllm_mha on SM100)
 
 
-def launch_flags(settings: Settings, spec: RunSpec, port: int, api_key: str, nccl_port: int | None = None) -> list[str]:
-    """Every launch flag of one server (the key in clear: never log this, log `mask_command`)."""
+def write_key_config(path: Path, api_key: SecretStr) -> Path:
+    """Write the servers' key as an SGLang `--config` YAML file, mode 0600 (no key on any command line)."""
+    private_dir(path.parent)
+    # SGLang turns each key into `--<key> <value>` as written, hence "api-key"; JSON quoting keeps it a string.
+    with os.fdopen(private_file(path), "w") as f:
+        f.write(f"api-key: {json.dumps(api_key.get_secret_value())}\n")
+    return path
+
+
+def launch_flags(
+    settings: Settings, spec: RunSpec, port: int, key_config: Path, nccl_port: int | None = None
+) -> list[str]:
+    """Every launch flag of one server; the key comes from `key_config` (write_key_config), never the argv."""
+    check_server_args(spec.server_args)  # again here: a RunSpec built without validation must not get through
     flags = [
         "--model-path",
         spec.model_path,
@@ -132,7 +148,10 @@ def launch_flags(settings: Settings, spec: RunSpec, port: int, api_key: str, ncc
         settings.server_host,
         "--port",
         str(port),
-        f"--api-key={api_key}",  # one token: a key that starts with "-" must not read as a flag
+        # SGLang 0.5.23 reads a key only from its argv or a `--config` YAML file (no environment variable):
+        # the file keeps it out of /proc/<pid>/cmdline and `ps`, which every local user can read.
+        "--config",
+        str(key_config),
         "--tp-size",
         "1",  # one server per GPU: PCIe-only boxes, no tensor parallelism
         "--reasoning-parser",
@@ -150,10 +169,10 @@ def launch_flags(settings: Settings, spec: RunSpec, port: int, api_key: str, ncc
 
 
 def server_command(
-    settings: Settings, spec: RunSpec, index: int, api_key: SecretStr, nccl_port: int | None = None
+    settings: Settings, spec: RunSpec, index: int, key_config: Path, nccl_port: int | None = None
 ) -> list[str]:
     """The full argv of server `index` (listening on base_port + index)."""
-    flags = launch_flags(settings, spec, settings.base_port + index, api_key.get_secret_value(), nccl_port)
+    flags = launch_flags(settings, spec, settings.base_port + index, key_config, nccl_port)
     return [*engine_command(settings), *flags]
 
 
@@ -179,9 +198,39 @@ def mask_command(argv: Sequence[str]) -> str:
     return shlex.join(out)
 
 
+# What a server inherits from the pipeline's environment: the toolchain, GPU and engine settings, nothing
+# else. The pipeline's own secrets (DATAGEN_S3_*, DATAGEN_SGLANG_API_KEY, PREFECT_API_AUTH_STRING, AWS_*) and
+# anything secret-looking under an allowed prefix (HF_TOKEN) stay out of /proc/<pid>/environ.
+_ENV_NAMES = frozenset(
+    {"PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM", "SHELL", "VIRTUAL_ENV"}
+    | {"LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONHASHSEED", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM"}
+    | {"XDG_CACHE_HOME", "CC", "CXX"}
+)
+_ENV_PREFIXES = (
+    "LC_",
+    "CUDA_",
+    "NCCL_",
+    "NVIDIA_",
+    "HF_",
+    "TRANSFORMERS_",
+    "SGLANG_",
+    "TORCH",
+    "TRITON_",
+    "FLASHINFER_",
+    "MKL_",
+    "DATAGEN_STANDIN_",
+)
+_SECRET_ENV = re.compile(r"TOKEN(?!IZERS?_)|SECRET|PASSW|CREDENTIAL|(^|_)KEY(_|$)|API_?KEY|AUTH")
+
+
+def _inherited(name: str) -> bool:
+    allowed = name in _ENV_NAMES or name.startswith(_ENV_PREFIXES)
+    return allowed and not _SECRET_ENV.search(name.upper())
+
+
 def server_env(index: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Environment of server `index`: only GPU `index` visible, numbered as nvidia-smi numbers them."""
-    env = dict(os.environ if base is None else base)
+    """Environment of server `index`: allow-listed variables only, GPU `index` visible as nvidia-smi numbers it."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if _inherited(k)}
     env["CUDA_VISIBLE_DEVICES"] = str(index)
     # CUDA's default order is "fastest first"; PCI order makes index i the GPU nvidia-smi calls i.
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
@@ -498,6 +547,8 @@ class ServerFleet(Sequence[ServerEndpoint]):
         self._record_lock = threading.Lock()
         me = os.getpid()
         self._record_path = settings.work_dir / _FLEETS_DIR / f"{me}-{_start_ticks(me)}-{id(self):x}.json"
+        # The servers' key, read by each server at start (restarts too); 0600 in a 0700 directory, removed at stop.
+        self._key_config = settings.work_dir / _FLEETS_DIR / f"{me}-{_start_ticks(me)}-{id(self):x}.key.yaml"
         if self.attached:
             self._servers = [
                 _Server(name=f"server-{i}", url=url.rstrip("/"), index=i) for i, url in enumerate(settings.server_urls)
@@ -514,7 +565,7 @@ class ServerFleet(Sequence[ServerEndpoint]):
                 name=f"gpu{i}",
                 url=_url(settings.server_host, settings.base_port + i),
                 index=i,
-                argv=server_command(settings, self.spec, i, self._api_key, nccl_ports[i]),
+                argv=server_command(settings, self.spec, i, self._key_config, nccl_ports[i]),
                 env=server_env(i),
                 log_path=self.layout.logs_dir / f"server-{i}.log",
             )
@@ -570,7 +621,8 @@ class ServerFleet(Sequence[ServerEndpoint]):
         self._stopped = False
         _register(self)
         try:
-            self.layout.logs_dir.mkdir(parents=True, exist_ok=True)
+            private_dir(self.layout.logs_dir)
+            write_key_config(self._key_config, self._api_key)
             self._claim_ports()
             for server in self._servers:
                 self._launch(server, note="starting")
@@ -592,6 +644,7 @@ class ServerFleet(Sequence[ServerEndpoint]):
         # In parallel: eight servers each taking the full grace period would otherwise add up.
         with ThreadPoolExecutor(max_workers=max(1, len(started))) as pool:
             list(pool.map(self._stop_server, started))
+        self._key_config.unlink(missing_ok=True)
         _unregister(self)
 
     def endpoint(self, name: str) -> ServerEndpoint:
@@ -668,7 +721,7 @@ class ServerFleet(Sequence[ServerEndpoint]):
             self._popen(server, server.log_path, note)
 
     def _popen(self, server: _Server, log_path: Path, note: str) -> None:
-        log_file = log_path.open("ab")
+        log_file = os.fdopen(private_file(log_path, append=True), "ab")  # SGLang logs its key at startup
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         shown = f"CUDA_VISIBLE_DEVICES={server.env['CUDA_VISIBLE_DEVICES']} {mask_command(server.argv)}"
         log_file.write(f"# {stamp} datagen: {note} {server.name}: {shown}\n".encode())

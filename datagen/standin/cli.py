@@ -17,6 +17,7 @@ __all__ = [
     "build_parser",
     "human_readable_int",
     "main",
+    "merge_config",
     "parse_args",
     "resolve_settings",
 ]
@@ -312,12 +313,67 @@ def build_parser() -> argparse.ArgumentParser:
     add("--log-requests-level", type=int, default=2, choices=(0, 1, 2, 3))
     add("--enable-metrics", action="store_true", help="Serve Prometheus /metrics.")
     add("--enable-cache-report", action="store_true", help="Report cached tokens in OpenAI usage.")
+    add(
+        "--config",
+        type=str,
+        help="Read CLI options from a config file. Must be a YAML file with configuration options.",
+    )
     return p
 
 
+def _config_keys(action: argparse.Action) -> set[str]:
+    return {action.dest} | {o[2:].replace("-", "_") for o in action.option_strings if o.startswith("--")}
+
+
+def merge_config(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """`argv` with a `--config FILE.yaml` replaced by its options placed first, as SGLang 0.5.23 merges it.
+
+    `utils/server_args_config_parser.py: ConfigArgumentMerger`: only the exact token `--config` counts, one at
+    most; YAML keys become `--<key>` as written (so `api-key`, not `api_key`); true store_true keys add the flag,
+    false ones nothing; lists add their items, mappings their JSON, scalars `str(value)`. Command-line flags
+    after the merge win (argparse keeps the last).
+    """
+    argv = list(argv)
+    at = [i for i, a in enumerate(argv) if a == "--config"]
+    if not at:
+        return argv
+    if len(at) > 1:
+        raise ValueError("Multiple config files specified! Only one allowed.")
+    if at[0] == len(argv) - 1:
+        raise ValueError("No config file specified after --config flag!")
+    path = Path(argv[at[0] + 1])
+    if path.suffix.lower() not in (".yaml", ".yml"):
+        raise ValueError(f"Config file must be YAML format, got: {path.suffix}")
+    if not path.exists():
+        raise ValueError(f"Config file not found: {path}")
+    import yaml
+
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError("Config file must contain a dictionary at root level")
+    store_true = {k for a in parser._actions if isinstance(a, argparse._StoreTrueAction) for k in _config_keys(a)}
+    merged: list[str] = []
+    for key, value in data.items():
+        if isinstance(value, bool):
+            if key.replace("-", "_") not in store_true:
+                merged += [f"--{key}", str(value).lower()]
+            elif value:
+                merged.append(f"--{key}")
+        elif isinstance(value, list):
+            if value:
+                merged += [f"--{key}", *(str(v) for v in value)]
+        elif isinstance(value, dict):
+            merged += [f"--{key}", json.dumps(value)]
+        else:
+            merged += [f"--{key}", str(value)]
+    return merged + argv[: at[0]] + argv[at[0] + 2 :]
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse the command line; argparse errors exit with code 2 as SGLang's do."""
-    return build_parser().parse_args(list(argv) if argv is not None else None)
+    """Parse the command line (a `--config` file merged first, as SGLang does); errors exit with code 2."""
+    parser = build_parser()
+    args = list(argv) if argv is not None else sys.argv[1:]
+    return parser.parse_args(merge_config(parser, args))
 
 
 # configs/hybrid_arch.py: hybrid_gdn_config (Qwen3-Next, Qwen3.5/3.6 dense and MoE), by config type.
@@ -389,4 +445,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     from datagen.standin.server import serve
 
     raw = list(argv) if argv is not None else sys.argv[1:]
-    return serve(args, raw)
+    # SGLang's launch_command is the argv after the config merge (`prepare_server_args`).
+    return serve(args, merge_config(build_parser(), raw))

@@ -222,8 +222,12 @@ class RealSglang:
         """An executable that behaves like an engine venv's `python` (scripts run with the stubs installed)."""
         wrapper = folder / "engine-python"
         pythonpath = shlex.quote(self.env()["PYTHONPATH"])
+        # Servers and the flag probe get an allow-listed environment (launcher.server_env): the emulated GPU
+        # is chosen when the wrapper is written, not inherited.
+        gpu = os.environ.get("CONFORMANCE_GPU")
+        gpu_env = f" CONFORMANCE_GPU={shlex.quote(gpu)}" if gpu else ""
         wrapper.write_text(
-            f"#!/bin/sh\nexport PYTHONPATH={pythonpath} PYTHONNOUSERSITE=1 HF_HUB_OFFLINE=1\n"
+            f"#!/bin/sh\nexport PYTHONPATH={pythonpath} PYTHONNOUSERSITE=1 HF_HUB_OFFLINE=1{gpu_env}\n"
             f'exec {shlex.quote(sys.executable)} {shlex.quote(str(SHIM))} --script "$@"\n'
         )
         wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)

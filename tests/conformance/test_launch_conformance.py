@@ -21,7 +21,7 @@ from pydantic import SecretStr
 
 from datagen.checks.model_dir import check_processor
 from datagen.checks.server_flags import SM120_HYBRID_GDN_BACKENDS, server_flag_checks
-from datagen.engine.launcher import ServerFleet, ephemeral_low
+from datagen.engine.launcher import ServerFleet, ephemeral_low, write_key_config
 from datagen.layout import RunLayout
 from datagen.model_fixture import ensure_model_dir
 from datagen.runspec import RunSpec
@@ -31,6 +31,7 @@ from tests.conformance.conftest import REPO_ROOT, RealSglang
 
 DOC = REPO_ROOT / "docs" / "real-engine.md"
 BOX_SERVERS = 8
+BOX_KEY = "k3y-in-clear-here"
 
 
 def documented_server_args() -> dict[str, list[str]]:
@@ -53,8 +54,10 @@ def box_argvs(tmp_path: Path, server_args: list[str]) -> list[list[str]]:
         work_dir=tmp_path,
     )
     spec = RunSpec(model_path=str(ensure_model_dir()), server_args=server_args)
-    fleet = ServerFleet(settings, spec, RunLayout(tmp_path / "run"), SecretStr("k3y-in-clear-here"))
+    fleet = ServerFleet(settings, spec, RunLayout(tmp_path / "run"), SecretStr(BOX_KEY))
+    write_key_config(fleet._key_config, SecretStr(BOX_KEY))  # what start() writes before launching
     argvs = [server.argv for server in fleet._servers]  # planned, not started
+    assert not any(BOX_KEY in a for argv in argvs for a in argv)  # the key reaches servers through the file
     assert all(argv[1:3] == ["-m", "sglang.launch_server"] for argv in argvs)
     return [argv[3:] for argv in argvs]
 
@@ -80,7 +83,7 @@ for argv in ARGS_LIST:
     d = record.resolved_dict()
     view = resolving_view(record)
     keys = ("reasoning_parser", "language_model_only", "nccl_port", "port", "context_length", "attention_backend",
-            "prefill_attention_backend", "decode_attention_backend", "served_model_name", "tp_size")
+            "prefill_attention_backend", "decode_attention_backend", "served_model_name", "tp_size", "api_key", "host")
     out["runs"].append({"ok": True, **{k: d.get(k) for k in keys}})
 RESULT = out
 """
@@ -109,6 +112,8 @@ def test_every_documented_box_argv_resolves_with_real_sglang(real_sglang: RealSg
         for i, r in enumerate(resolved):
             assert r["port"] == 30000 + i
             assert r["tp_size"] == 1
+            assert r["api_key"] == BOX_KEY  # read from the --config file by the real merger
+            assert r["host"] == "127.0.0.1"
             assert r["reasoning_parser"] == "qwen3"
             assert r["language_model_only"] is False
             assert r["served_model_name"] == "qwen3.6-27b"
@@ -184,13 +189,18 @@ def test_datagen_check_runs_the_installed_engines_own_parser(
 
     bad_value = verdict(["--attention-backend", "fa5"])["engine.server_flags"]
     assert bad_value.status == "fail" and "invalid choice: 'fa5'" in bad_value.detail
-    gone = verdict(["--mamba-scheduler-strategy", "auto"])["engine.server_flags"]
-    assert gone.status == "fail" and "unrecognized arguments: --mamba-scheduler-strategy" in gone.detail
-    bad_int = verdict(["--context-length", "32K"])["engine.server_flags"]  # suffixes are case-sensitive
+    bad_int = verdict(["--max-total-tokens", "32K"])["engine.server_flags"]  # suffixes are case-sensitive
     assert bad_int.status == "fail" and "Invalid integer value: '32K'" in bad_int.detail
-    lmo = verdict(["--language-model-only"])["engine.settings"]
-    assert lmo.status == "fail"
-    assert "--language-model-only does not support ['Qwen3_5ForConditionalGeneration']" in lmo.detail
+    refused = verdict(["--mamba-radix-cache-strategy", "no_buffer"])["engine.settings"]  # needs no overlap
+    assert refused.status == "fail" and "no_buffer" in refused.detail
+    # Flags a run may not set never reach the engine (datagen/tuning.py): refused with our reason.
+    gone = verdict(["--mamba-scheduler-strategy", "auto"])["engine.server_flags"]
+    assert gone.status == "fail" and "not on the allow-list of tuning flags" in gone.detail
+    lmo = verdict(["--language-model-only"])
+    assert (
+        lmo["engine.server_flags"].status == "fail" and "managed by the pipeline" in lmo["engine.server_flags"].detail
+    )
+    assert lmo["engine.settings"].status == "skipped"
 
 
 _PROCESSOR = r"""
