@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from datagen import report
 from datagen.cli import main as cli_main
 from datagen.cli import summary_text
 from datagen.engine.dispatcher import DispatcherStats, ServerStats
-from datagen.inspection import inspect_namespace
+from datagen.inspection import inspect_namespace, list_namespaces
 from datagen.records import REJECT_SCHEMA
 from datagen.runspec import RunSpec
 from datagen.storage import ObjectStore
@@ -244,6 +245,12 @@ def test_inspect_shows_manifest_files_rejects_with_examples_and_card(s3_store: O
     missing, ok = inspect_namespace(s3_store, "no_such_ns")
     assert not ok and "nothing there" in missing
 
+    s3_store.put_if_absent("inspect_v2/data/train-00000-of-00001.parquet", b"half a publish")
+    listing = list_namespaces(s3_store)
+    assert "inspect_v1  published" in listing and "3 rows" in listing
+    assert "inspect_v2  NOT PUBLISHED (1 objects" in listing
+    assert "_catalog" not in listing
+
 
 def test_inspect_command_exits_1_for_an_unpublished_namespace(
     s3_store: ObjectStore, monkeypatch: pytest.MonkeyPatch, local_s3: object, capsys: pytest.CaptureFixture[str]
@@ -280,5 +287,23 @@ def test_laptop_command_writes_worker_settings_and_demo_sized_parameters(
         assert spec.shard_size == 50 and spec.sampling.max_new_tokens == 4096 and spec.namespace == "auto"
         assert Path(spec.model_path, "tokenizer.json").exists()
         assert "infra/prefect-worker.sh" in capsys.readouterr().out
+
+        # The same run spec the UI takes checks as it is: the laptop's settings come from worker.env beside it,
+        # `auto` is resolved without writing, and the check leaves nothing in any namespace.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
+        check = subprocess.run(
+            [sys.executable, "-c", "from datagen.cli import main; raise SystemExit(main())", "check"]
+            + ["--config", str(out / "run-spec.json")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert check.returncode == 0, check.stdout + check.stderr
+        assert "namespace 'auto' -> expansion_v1" in check.stdout
+        assert "worker.env" in check.stderr
+        store = ObjectStore.from_settings(settings)
+        left = [o.key for o in store.list()]
+        assert left == [], left  # nothing in `auto/` or `expansion_v1/`, and the probe is gone
     finally:
         localstack.stop(state_dir)
