@@ -28,6 +28,7 @@ __all__ = [
     "completion_lengths",
     "human_bytes",
     "human_duration",
+    "is_generated_name",
     "length_histogram",
     "nothing_to_do_report",
     "rename_flow_run",
@@ -37,9 +38,40 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Prefect names runs it was not given a name for with two random words: "coral-anaconda" from the API and
-# schedules, "Fantastic-Goose" prefilled by the UI's run form. Any other name was chosen by a person and is kept.
-_GENERATED_NAME = re.compile(r"^[A-Za-z]+-[A-Za-z]+$")
+# Prefect names a run nobody named with two random words: coolname's "coral-anaconda" (API, schedules, CLI), or
+# the run form's prefill, "Fantastic-Goose" (V1 UI, its own word lists) or "Gorgeous-Akita" (V2 UI: one of 17
+# product adjectives and an animal of at most 6 letters, read in Prefect 3.9.1's bundle). Only those are ours to
+# replace: any other name was typed by a person and is kept as it is.
+_UI_V2_ADJECTIVES = frozenset(
+    {
+        "Awesome", "Rustic", "Small", "Gorgeous", "Fantastic", "Sleek", "Intelligent", "Unbranded", "Refined",
+        "Licensed", "Generic", "Practical", "Ergonomic", "Handcrafted", "Tasty", "Handmade", "Incredible",
+    }
+)  # fmt: skip
+_TWO_WORDS = re.compile(r"^([A-Za-z]+)-([A-Za-z ]+)$")
+NAME_TAG_SEPARATOR = " · "  # "expand expansion_v2 · coral-anaconda": what it does, then the random words
+
+
+def _coolname_words() -> frozenset[str]:
+    import coolname.data
+
+    words: set[str] = set()
+    for entry in coolname.data.config.values():
+        if entry.get("type") == "words":
+            words.update(entry["words"])
+    return frozenset(words)
+
+
+def is_generated_name(name: str) -> bool:
+    """Whether Prefect (API, schedule or a UI form's prefill) made this run name up, rather than a person."""
+    match = _TWO_WORDS.match(name)
+    if not match:
+        return False
+    first, second = match.groups()
+    if first in _UI_V2_ADJECTIVES and len(second) <= 6:
+        return True
+    words = _coolname_words()
+    return first.lower() in words and second.lower() in words and (name.islower() or name.istitle())
 
 
 # --- run names --------------------------------------------------------------------------------------------
@@ -71,7 +103,11 @@ def describe_run(flow_name: str, parameters: Mapping[str, Any]) -> str:
 
 
 def run_name(flow_name: str) -> Callable[[], str]:
-    """A `flow_run_name` callable: names the run after what it does, unless someone named it already."""
+    """A `flow_run_name` callable: what the run does plus its random words, unless a person named it.
+
+    "expand expansion_v2 · coral-anaconda": runs of the same namespace stay apart in the run list, and the words
+    are the ones the UI showed when the run was started. A typed name is never replaced.
+    """
 
     def name() -> str:
         from prefect.context import FlowRunContext
@@ -79,22 +115,29 @@ def run_name(flow_name: str) -> Callable[[], str]:
 
         ctx = FlowRunContext.get()
         current = ctx.flow_run.name if ctx and ctx.flow_run else ""
-        if current and not _GENERATED_NAME.match(current):
+        if current and not is_generated_name(current):
             return current
-        return describe_run(flow_name, flow_run.parameters)
+        described = describe_run(flow_name, flow_run.parameters)
+        return f"{described}{NAME_TAG_SEPARATOR}{current.lower()}" if current else described
 
     return name
 
 
 def rename_flow_run(old_part: str, new_part: str) -> None:
-    """Replace `old_part` in the current run's name (e.g. 'auto' once the namespace is known); best effort."""
+    """Replace `old_part` in the current run's name (e.g. 'auto' once the namespace is known); best effort.
+
+    Only in a name `run_name` made (what it does, then the random words): a typed name is never touched.
+    """
     from prefect.client.orchestration import get_client
     from prefect.context import FlowRunContext
 
     ctx = FlowRunContext.get()
-    if not ctx or not ctx.flow_run or old_part not in ctx.flow_run.name:
+    if not ctx or not ctx.flow_run:
         return
-    new_name = ctx.flow_run.name.replace(old_part, new_part, 1)
+    described, sep, words = ctx.flow_run.name.rpartition(NAME_TAG_SEPARATOR)
+    if not sep or not is_generated_name(words) or old_part not in described:
+        return
+    new_name = described.replace(old_part, new_part, 1) + sep + words
     try:
         with get_client(sync_client=True) as client:
             client.set_flow_run_name(ctx.flow_run.id, new_name)

@@ -61,10 +61,16 @@ def test_run_names_say_what_a_run_does_to_which_namespace() -> None:
     assert report.describe_run("check-environment", {"spec": {"namespace": "x"}}) == "check environment for x"
     assert report.describe_run("pilot", {"spec": spec, "pilot_spec": {"name": "p1"}}) == "pilot p1 for expansion_v7"
     # Prefect's generated names are replaced; a typed name (more than two words, digits, ...) is not.
-    assert report._GENERATED_NAME.match("coral-anaconda")
-    assert report._GENERATED_NAME.match("Fantastic-Goose")  # the UI form's prefilled name
-    assert not report._GENERATED_NAME.match("started-from-the-ui")
-    assert not report._GENERATED_NAME.match("nightly 3")
+    from prefect.utilities.names import generate_slug
+
+    # Every name Prefect's API and schedules make up is recognised (coolname's words)...
+    assert all(report.is_generated_name(generate_slug(2)) for _ in range(200))
+    assert report.is_generated_name("coral-anaconda")
+    assert report.is_generated_name("Gorgeous-Akita")  # the V2 run form's prefill
+    assert report.is_generated_name("Fantastic-Goose")  # the V1 run form's prefill
+    # ... and names people type are theirs: the old rule took "Nightly-Test" for a generated one and replaced it.
+    for typed in ("Nightly-Test", "started-from-the-ui", "nightly 3", "expand-auto", "Weekly-Refresh", "v2-rerun"):
+        assert not report.is_generated_name(typed), typed
 
 
 def test_progress_eta_comes_from_the_whole_run_and_lines_are_never_repeated(caplog: pytest.LogCaptureFixture) -> None:
@@ -291,9 +297,9 @@ def test_laptop_command_writes_worker_settings_and_demo_sized_parameters(
         # The same run spec the UI takes checks as it is: the laptop's settings come from worker.env beside it,
         # `auto` is resolved without writing, and the check leaves nothing in any namespace.
         env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
+        cli = "from datagen.cli import main; raise SystemExit(main())"
         check = subprocess.run(
-            [sys.executable, "-c", "from datagen.cli import main; raise SystemExit(main())", "check"]
-            + ["--config", str(out / "run-spec.json")],
+            [sys.executable, "-c", cli, "check", "--config", str(out / "run-spec.json")],
             env=env,
             capture_output=True,
             text=True,
