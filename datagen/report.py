@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from uuid import UUID
 
 from datagen.engine.dispatcher import Dispatcher, DispatcherStats
@@ -55,11 +55,8 @@ NAME_TAG_SEPARATOR = " · "  # "expand expansion_v2 · coral-anaconda": what it 
 def _coolname_words() -> frozenset[str]:
     import coolname.data
 
-    words: set[str] = set()
-    for entry in coolname.data.config.values():
-        if entry.get("type") == "words":
-            words.update(entry["words"])
-    return frozenset(words)
+    config = cast("dict[str, dict[str, Any]]", coolname.data.config)
+    return frozenset(word for entry in config.values() if entry.get("type") == "words" for word in entry["words"])
 
 
 def is_generated_name(name: str) -> bool:
