@@ -249,6 +249,9 @@ class ProgressSample:
     output_tokens: int
 
 
+EARLY_SAMPLES = 12  # the progress reporter's first looks, one a second
+
+
 class ProgressReporter:
     """A background thread that reads the dispatcher's counters every `interval_s` while generation runs.
 
@@ -298,7 +301,8 @@ class ProgressReporter:
             self.logger.warning("final progress update failed: %s", exc)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        # Every second at first, so a short run still gets a throughput chart with a few bars.
+        while not self._stop.wait(1.0 if len(self.samples) < EARLY_SAMPLES else self.interval_s):
             try:
                 self.tick()
             except Exception as exc:  # progress is for people: a failed look must not stop generation
@@ -355,8 +359,10 @@ class ProgressReporter:
     def throughput_series(self, buckets: int = 12) -> list[tuple[str, float]]:
         """Output tokens/s per time bucket across the generation, for a chart."""
         points = [s for s in self.samples if s.t_s > 0]
-        if len(points) < 2:
+        if not points:
             return []
+        if len(points) == 1:  # over before the second look: one bar, the whole generation's rate
+            return [(human_duration(points[0].t_s), points[0].output_tokens / points[0].t_s)]
         end = points[-1].t_s
         width = end / buckets
         series: list[tuple[str, float]] = []

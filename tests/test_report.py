@@ -104,6 +104,21 @@ def test_progress_eta_comes_from_the_whole_run_and_lines_are_never_repeated(capl
     assert reporter.throughput_series(buckets=3), reporter.samples
 
 
+def test_a_run_shorter_than_one_progress_interval_still_gets_a_throughput_chart() -> None:
+    # The demo's generation takes a few seconds: with one look every 5 s the report's chart used to be missing.
+    reporter = report.ProgressReporter(
+        _ScriptedDispatcher([_stats(3, 40, tokens=6000)] * 50),  # type: ignore[arg-type]
+        total_prompts=40,
+        already_settled=0,
+        progress_artifact_id=None,
+        logger=logging.getLogger("test.progress"),
+        interval_s=5,
+    )
+    with reporter:
+        pass  # generation ended at once: only the final look
+    assert reporter.throughput_series() == [("3.0 s", 2000.0)]
+
+
 def test_run_report_is_a_table_with_servers_stages_and_charts() -> None:
     stats = _stats(100, 300, rejected=4, tokens=60000)
     facts = report.RunFacts(
