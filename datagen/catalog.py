@@ -190,16 +190,18 @@ def backfill(store: ObjectStore, namespace: str) -> bool:
     return True
 
 
-def next_expansion_namespace(store: ObjectStore) -> str:
+def next_expansion_namespace(store: ObjectStore, repair: bool = True) -> str:
     """The next free `expansion_vN`: one past the highest N that holds objects or a catalog part.
 
-    On the way, any published expansion namespace without a catalog part is backfilled, so its prompts are skipped.
+    On the way (with `repair`), any published expansion namespace without a catalog part is backfilled, so its
+    prompts are skipped; `repair=False` only reads (what `datagen check` needs).
     """
     taken = {int(m.group(1)) for ns in catalog_namespaces(store) if (m := _EXPANSION_RE.match(ns))}
     n = 1
     # Probe upward: a namespace holds objects (even an unfinished publish) or has a part -> taken.
     while n in taken or store.exists(f"{EXPANSION_PREFIX}{n}/"):
-        backfill(store, f"{EXPANSION_PREFIX}{n}")
+        if repair:
+            backfill(store, f"{EXPANSION_PREFIX}{n}")
         taken.add(n)
         n += 1
     return f"{EXPANSION_PREFIX}{max([n, *(t + 1 for t in taken)])}"

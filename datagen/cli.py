@@ -17,6 +17,7 @@ from pydantic import ValidationError
 __all__ = ["apply_overrides", "load_spec", "main", "summary_text"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+FLOW_PARAMETERS = frozenset({"spec", "dry_run"})  # expand-dataset's parameters, as a deployment run takes them
 DEFAULT_STACK_DIR = Path(".datagen") / "stack"
 
 
@@ -55,18 +56,28 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def _read_config(config: Path) -> dict[str, Any]:
+    """A config file's run-spec fields: a plain mapping of fields, or the flow's parameters ({"spec": {...}})."""
+    if not config.exists():
+        raise SystemExit(f"datagen: config file {config} does not exist")
+    loaded = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
+    if not isinstance(loaded, dict):
+        raise SystemExit(f"datagen: {config}: expected a mapping of run-spec fields at the top level")
+    # The parameters a deployment run takes (the UI form, `prefect deployment run --params`, the laptop's
+    # run-spec.json) wrap the fields in "spec"; the same file works here.
+    if "spec" in loaded and set(loaded) <= FLOW_PARAMETERS:
+        spec = loaded["spec"]
+        if not isinstance(spec, dict):
+            raise SystemExit(f"datagen: {config}: 'spec' must be a mapping of run-spec fields")
+        return spec
+    return loaded
+
+
 def load_spec(config: Path | None, overrides: list[str]) -> Any:
     """Read a run spec from a YAML/JSON file plus overrides; exits with a clear message when invalid."""
     from datagen.runspec import RunSpec
 
-    data: dict[str, Any] = {}
-    if config is not None:
-        if not config.exists():
-            raise SystemExit(f"datagen: config file {config} does not exist")
-        loaded = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
-        if not isinstance(loaded, dict):
-            raise SystemExit(f"datagen: {config}: expected a mapping of run-spec fields at the top level")
-        data = loaded
+    data = _read_config(config) if config is not None else {}
     try:
         data = apply_overrides(data, overrides)
         return RunSpec.model_validate(data)
@@ -74,8 +85,40 @@ def load_spec(config: Path | None, overrides: list[str]) -> Any:
         raise SystemExit(f"datagen: invalid run spec ({config or 'defaults'}):\n{exc}") from None
 
 
+def load_env_file(path: Path) -> list[str]:
+    """Set the KEY=VALUE lines of an env file (e.g. the laptop's worker.env) that the environment does not set.
+
+    The environment wins, as it does over `.env` in Settings; returns the names taken from the file.
+    """
+    if not path.is_file():
+        raise SystemExit(f"datagen: env file {path} does not exist")
+    taken = []
+    for number, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.removeprefix("export ").partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise SystemExit(f"datagen: {path}:{number}: expected KEY=VALUE")
+        if key.strip() not in os.environ:
+            os.environ[key.strip()] = value.strip().strip("'\"")
+            taken.append(key.strip())
+    return taken
+
+
+def _apply_env_file(args: argparse.Namespace) -> None:
+    # `datagen laptop` writes worker.env beside run-spec.json: a check of that run spec uses those settings.
+    env_file: Path | None = args.env_file
+    if env_file is None and args.config is not None and (args.config.parent / "worker.env").is_file():
+        env_file = args.config.parent / "worker.env"
+    if env_file is not None:
+        taken = load_env_file(env_file)
+        print(f"settings: the environment, then {env_file} ({len(taken)} taken from it)", file=sys.stderr)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     _quiet_prefect_defaults()
+    _apply_env_file(args)
     spec = load_spec(args.config, args.set)
     from datagen.prompts import PromptSourceError
     from datagen.quality import QualityGateError
@@ -105,15 +148,26 @@ def summary_text(report: dict[str, Any]) -> str:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    _apply_env_file(args)
     spec = load_spec(args.config, args.set)
+    from datagen.catalog import next_expansion_namespace
     from datagen.paths import secure_run
+    from datagen.runspec import AUTO_NAMESPACE
     from datagen.settings import Settings
-    from datagen.storage import ObjectStore, s3_preflight
+    from datagen.storage import ObjectStore, StorageError, s3_preflight
     from tasks.environment import format_report, run_checks
 
     settings = Settings()
     secure_run(settings, spec)
     store = ObjectStore.from_settings(settings)
+    if spec.namespace == AUTO_NAMESPACE:
+        try:  # read-only: the run itself picks (and repairs) for real
+            resolved = next_expansion_namespace(store, repair=False)
+        except StorageError as exc:
+            print(f"namespace 'auto': not resolved ({exc}); the S3 checks below say why")
+        else:
+            print(f"namespace 'auto' -> {resolved} (the next free expansion_vN now)")
+            spec = spec.model_copy(update={"namespace": resolved})
     results = run_checks(settings, spec, s3_check=lambda: s3_preflight(store, spec.namespace, resume=args.resume))
     print(format_report(results))
     return 1 if any(r.failed for r in results) else 0
@@ -175,7 +229,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from datagen.inspection import inspect_namespace
+    from datagen.inspection import inspect_namespace, list_namespaces
     from datagen.settings import Settings
     from datagen.storage import ObjectStore
 
@@ -185,6 +239,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         if "DATAGEN_S3_ENDPOINT_URL" not in os.environ and localstack.is_running(args.state_dir):
             os.environ.update(localstack.start(args.state_dir).env())
     store = ObjectStore.from_settings(Settings())
+    if args.namespace is None:
+        print(list_namespaces(store))
+        return 0
     text, ok = inspect_namespace(store, args.namespace, examples=args.examples)
     print(text)
     return 0 if ok else 1
@@ -281,6 +338,11 @@ def build_parser() -> argparse.ArgumentParser:
     def spec_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--config", type=Path, help="YAML or JSON file with run-spec fields")
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. shard_size=500")
+        p.add_argument(
+            "--env-file",
+            type=Path,
+            help="DATAGEN_* settings to use where the environment sets none (default: worker.env beside --config)",
+        )
 
     run = sub.add_parser("run", help="run the expand-dataset flow")
     spec_args(run)
@@ -299,8 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--keep-stack", action="store_true", help="leave the local S3 server running afterwards")
     demo.set_defaults(func=_cmd_demo)
 
-    inspect = sub.add_parser("inspect", help="show what a published namespace holds: manifest, rows, rejects, card")
-    inspect.add_argument("namespace")
+    inspect = sub.add_parser(
+        "inspect", help="list the namespaces, or show what one holds: manifest, rows, rejects, card"
+    )
+    inspect.add_argument("namespace", nargs="?", help="the namespace to show (none: list every namespace)")
     inspect.add_argument("--examples", type=int, default=2, help="example rejects shown per reason")
     inspect.add_argument(
         "--state-dir",

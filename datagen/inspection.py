@@ -1,4 +1,4 @@
-"""`datagen inspect NAMESPACE`: what a namespace in S3 holds, read through `ObjectStore` only (never writes)."""
+"""`datagen inspect [NAMESPACE]`: the namespaces in S3, or what one holds; reads through `ObjectStore` only."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 from datagen.report import human_bytes
 from datagen.storage import ObjectStore, StorageError
 
-__all__ = ["inspect_namespace"]
+__all__ = ["inspect_namespace", "list_namespaces"]
 
 MANIFEST = "manifest.json"
 CARD = "README.md"
@@ -30,6 +30,33 @@ def _rejects(store: ObjectStore, keys: list[str], examples: int) -> tuple[Counte
                 detail = str(row["detail"])
                 shown[label].append(f"{row['prompt_id'] or '-'}: {detail[:200]}{'…' if len(detail) > 200 else ''}")
     return counts, shown
+
+
+def list_namespaces(store: ObjectStore) -> str:
+    """One line per namespace under the store's prefix: published (when, rows, size) or an unfinished publish."""
+    # `_catalog/`, `_preflight/` and other underscore names are the pipeline's own, never namespaces.
+    names = [n for n in store.children() if n and not n.startswith("_")]
+    if not names:
+        return f"{store.uri()}: no namespaces yet"
+    lines = [f"{len(names)} namespace{'s' if len(names) != 1 else ''} in {store.uri()}:"]
+    for ns in names:
+        if store.head(f"{ns}/{MANIFEST}") is None:
+            objects = list(store.list(ns + "/"))
+            size = human_bytes(sum(o.size for o in objects))
+            lines.append(f"  {ns}  NOT PUBLISHED ({len(objects)} objects, {size}: an unfinished publish)")
+            continue
+        manifest: dict[str, Any] = json.loads(store.get_bytes(f"{ns}/{MANIFEST}"))
+        lineage = manifest.get("lineage", {})
+        rows = (
+            lineage.get("rows") if isinstance(lineage.get("rows"), int) else manifest.get("total_rows", {}).get("data")
+        )
+        rows_text = f"{rows:,} rows" if isinstance(rows, int) else "rows unknown"
+        lines.append(
+            f"  {ns}  published {manifest.get('created_at')}, {rows_text}, "
+            f"{human_bytes(int(manifest.get('total_bytes', 0)))}"
+        )
+    lines.append("details of one: datagen inspect NAMESPACE")
+    return "\n".join(lines)
 
 
 def inspect_namespace(store: ObjectStore, namespace: str, examples: int = 2) -> tuple[str, bool]:

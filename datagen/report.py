@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from uuid import UUID
 
 from datagen.engine.dispatcher import Dispatcher, DispatcherStats
@@ -28,6 +28,7 @@ __all__ = [
     "completion_lengths",
     "human_bytes",
     "human_duration",
+    "is_generated_name",
     "length_histogram",
     "nothing_to_do_report",
     "rename_flow_run",
@@ -37,9 +38,37 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Prefect names runs it was not given a name for with two random words: "coral-anaconda" from the API and
-# schedules, "Fantastic-Goose" prefilled by the UI's run form. Any other name was chosen by a person and is kept.
-_GENERATED_NAME = re.compile(r"^[A-Za-z]+-[A-Za-z]+$")
+# Prefect names a run nobody named with two random words: coolname's "coral-anaconda" (API, schedules, CLI), or
+# the run form's prefill, "Fantastic-Goose" (V1 UI, its own word lists) or "Gorgeous-Akita" (V2 UI: one of 17
+# product adjectives and an animal of at most 6 letters, read in Prefect 3.9.1's bundle). Only those are ours to
+# replace: any other name was typed by a person and is kept as it is.
+_UI_V2_ADJECTIVES = frozenset(
+    {
+        "Awesome", "Rustic", "Small", "Gorgeous", "Fantastic", "Sleek", "Intelligent", "Unbranded", "Refined",
+        "Licensed", "Generic", "Practical", "Ergonomic", "Handcrafted", "Tasty", "Handmade", "Incredible",
+    }
+)  # fmt: skip
+_TWO_WORDS = re.compile(r"^([A-Za-z]+)-([A-Za-z ]+)$")
+NAME_TAG_SEPARATOR = " · "  # "expand expansion_v2 · coral-anaconda": what it does, then the random words
+
+
+def _coolname_words() -> frozenset[str]:
+    import coolname.data
+
+    config = cast("dict[str, dict[str, Any]]", coolname.data.config)
+    return frozenset(word for entry in config.values() if entry.get("type") == "words" for word in entry["words"])
+
+
+def is_generated_name(name: str) -> bool:
+    """Whether Prefect (API, schedule or a UI form's prefill) made this run name up, rather than a person."""
+    match = _TWO_WORDS.match(name)
+    if not match:
+        return False
+    first, second = match.groups()
+    if first in _UI_V2_ADJECTIVES and len(second) <= 6:
+        return True
+    words = _coolname_words()
+    return first.lower() in words and second.lower() in words and (name.islower() or name.istitle())
 
 
 # --- run names --------------------------------------------------------------------------------------------
@@ -71,7 +100,11 @@ def describe_run(flow_name: str, parameters: Mapping[str, Any]) -> str:
 
 
 def run_name(flow_name: str) -> Callable[[], str]:
-    """A `flow_run_name` callable: names the run after what it does, unless someone named it already."""
+    """A `flow_run_name` callable: what the run does plus its random words, unless a person named it.
+
+    "expand expansion_v2 · coral-anaconda": runs of the same namespace stay apart in the run list, and the words
+    are the ones the UI showed when the run was started. A typed name is never replaced.
+    """
 
     def name() -> str:
         from prefect.context import FlowRunContext
@@ -79,22 +112,29 @@ def run_name(flow_name: str) -> Callable[[], str]:
 
         ctx = FlowRunContext.get()
         current = ctx.flow_run.name if ctx and ctx.flow_run else ""
-        if current and not _GENERATED_NAME.match(current):
+        if current and not is_generated_name(current):
             return current
-        return describe_run(flow_name, flow_run.parameters)
+        described = describe_run(flow_name, flow_run.parameters)
+        return f"{described}{NAME_TAG_SEPARATOR}{current.lower()}" if current else described
 
     return name
 
 
 def rename_flow_run(old_part: str, new_part: str) -> None:
-    """Replace `old_part` in the current run's name (e.g. 'auto' once the namespace is known); best effort."""
+    """Replace `old_part` in the current run's name (e.g. 'auto' once the namespace is known); best effort.
+
+    Only in a name `run_name` made (what it does, then the random words): a typed name is never touched.
+    """
     from prefect.client.orchestration import get_client
     from prefect.context import FlowRunContext
 
     ctx = FlowRunContext.get()
-    if not ctx or not ctx.flow_run or old_part not in ctx.flow_run.name:
+    if not ctx or not ctx.flow_run:
         return
-    new_name = ctx.flow_run.name.replace(old_part, new_part, 1)
+    described, sep, words = ctx.flow_run.name.rpartition(NAME_TAG_SEPARATOR)
+    if not sep or not is_generated_name(words) or old_part not in described:
+        return
+    new_name = described.replace(old_part, new_part, 1) + sep + words
     try:
         with get_client(sync_client=True) as client:
             client.set_flow_run_name(ctx.flow_run.id, new_name)
@@ -209,6 +249,9 @@ class ProgressSample:
     output_tokens: int
 
 
+EARLY_SAMPLES = 12  # the progress reporter's first looks, one a second
+
+
 class ProgressReporter:
     """A background thread that reads the dispatcher's counters every `interval_s` while generation runs.
 
@@ -258,7 +301,8 @@ class ProgressReporter:
             self.logger.warning("final progress update failed: %s", exc)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        # Every second at first, so a short run still gets a throughput chart with a few bars.
+        while not self._stop.wait(1.0 if len(self.samples) < EARLY_SAMPLES else self.interval_s):
             try:
                 self.tick()
             except Exception as exc:  # progress is for people: a failed look must not stop generation
@@ -315,8 +359,10 @@ class ProgressReporter:
     def throughput_series(self, buckets: int = 12) -> list[tuple[str, float]]:
         """Output tokens/s per time bucket across the generation, for a chart."""
         points = [s for s in self.samples if s.t_s > 0]
-        if len(points) < 2:
+        if not points:
             return []
+        if len(points) == 1:  # over before the second look: one bar, the whole generation's rate
+            return [(human_duration(points[0].t_s), points[0].output_tokens / points[0].t_s)]
         end = points[-1].t_s
         width = end / buckets
         series: list[tuple[str, float]] = []

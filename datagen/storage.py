@@ -43,6 +43,7 @@ from datagen.checks import CheckResult
 from datagen.settings import Settings
 
 __all__ = [
+    "PREFLIGHT_DIR",
     "SHA256_METADATA_KEY",
     "BucketMissing",
     "ObjectExists",
@@ -55,6 +56,7 @@ __all__ = [
     "sha256_file",
 ]
 
+PREFLIGHT_DIR = "_preflight/"  # probe objects of `s3_preflight`; beside `_catalog/`, never a namespace
 SHA256_METADATA_KEY = "sha256"  # user metadata (x-amz-meta-sha256): hex digest of the object's bytes
 MiB = 1024 * 1024
 _AUTH_CODES = frozenset(
@@ -301,6 +303,19 @@ class ObjectStore:
         except (ClientError, BotoCoreError) as exc:
             raise self._translate(exc, "list", prefix) from exc
 
+    def children(self, prefix: str = "") -> builtins.list[str]:
+        """The names one level below prefix (S3's common prefixes with "/" as delimiter), in key order."""
+        paginator = self._client.get_paginator("list_objects_v2")
+        pages = paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix, Delimiter="/")
+        try:
+            return [
+                str(item["Prefix"])[len(self.prefix) + len(prefix) :].rstrip("/")
+                for page in pages
+                for item in page.get("CommonPrefixes", [])
+            ]
+        except (ClientError, BotoCoreError) as exc:
+            raise self._translate(exc, "list", prefix) from exc
+
     def exists(self, prefix: str) -> bool:
         """Whether any object's key starts with prefix."""
         try:
@@ -361,9 +376,13 @@ class ObjectStore:
 
     # --- preflight ---------------------------------------------------------------------------------
 
-    def preflight(self, namespace: str) -> str:
-        """Create and remove one probe object under namespace/; returns the probe key."""
-        probe = f"{namespace.strip('/')}/.datagen-preflight-{secrets.token_hex(16)}"
+    def preflight(self) -> str:
+        """Create and remove one probe object under `_preflight/`; returns the probe key.
+
+        Never inside a namespace: a check must leave no trace where a dataset is (or will be) published, and
+        `_preflight/` cannot be a namespace (namespaces start with a letter or digit).
+        """
+        probe = f"{PREFLIGHT_DIR}{secrets.token_hex(16)}"
         self.put_if_absent(probe, b"datagen preflight probe\n")
         try:
             # The only delete in this module: the key is random and was created just above.
@@ -441,9 +460,9 @@ def s3_preflight(store: ObjectStore, namespace: str, resume: bool) -> builtins.l
         results.append(CheckResult("s3.namespace_free", "fail", str(exc)))
 
     try:
-        store.preflight(namespace)
+        probe = store.preflight()
         results.append(
-            CheckResult("s3.namespace_writable", "pass", f"probe object written and removed in {store.uri(ns)}")
+            CheckResult("s3.namespace_writable", "pass", f"probe object written and removed: {store.uri(probe)}")
         )
     except StorageError as exc:
         results.append(CheckResult("s3.namespace_writable", "fail", str(exc)))

@@ -20,6 +20,7 @@ import pytest
 
 from datagen.localstack import LocalS3
 from datagen.model_fixture import ensure_model_dir
+from datagen.report import is_generated_name
 from datagen.storage import ObjectStore
 from tests.prefect_fixtures import (
     POOL,
@@ -267,8 +268,10 @@ def test_rest_triggered_run_completes_and_publishes_with_artifacts(stack: Stack)
     run = stack.api.wait_for_flow_run(flow_run_id, RUN_TIMEOUT_S, diagnostics=stack.worker_log)
     assert run["state_type"] == "COMPLETED", _failure_report(stack, flow_run_id, run)
 
-    # Named after what it does, not "coral-anaconda".
-    assert run["name"] == f"expand {namespace}", run["name"]
+    # Named after what it does, then the words Prefect made up ("expand ns · coral-anaconda"): runs of one
+    # namespace stay apart in the run list.
+    described, _, words = run["name"].partition(" · ")
+    assert described == f"expand {namespace}" and is_generated_name(words), run["name"]
 
     artifacts = {a["key"]: a for a in stack.api.artifacts(flow_run_id) if a["key"]}
     assert set(artifacts) >= EXPECTED_ARTIFACTS, sorted(artifacts)
@@ -385,7 +388,7 @@ def test_rerun_whose_shards_are_all_generated_starts_no_server(stack: Stack) -> 
     first = _start(stack, "manual", {"spec": spec, "dry_run": True})
     run = stack.api.wait_for_flow_run(first, RUN_TIMEOUT_S, diagnostics=stack.worker_log)
     assert run["state_type"] == "COMPLETED", _failure_report(stack, first, run)
-    assert run["name"] == f"expand {namespace} (dry run)", run["name"]
+    assert run["name"].startswith(f"expand {namespace} (dry run) · "), run["name"]
     assert [t for t in stack.api.task_runs(first) if t["name"].startswith("start servers")]
 
     again = _start(stack, "manual", {"spec": spec, "dry_run": True})

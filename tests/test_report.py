@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from datagen import report
 from datagen.cli import main as cli_main
 from datagen.cli import summary_text
 from datagen.engine.dispatcher import DispatcherStats, ServerStats
-from datagen.inspection import inspect_namespace
+from datagen.inspection import inspect_namespace, list_namespaces
 from datagen.records import REJECT_SCHEMA
 from datagen.runspec import RunSpec
 from datagen.storage import ObjectStore
@@ -60,10 +61,16 @@ def test_run_names_say_what_a_run_does_to_which_namespace() -> None:
     assert report.describe_run("check-environment", {"spec": {"namespace": "x"}}) == "check environment for x"
     assert report.describe_run("pilot", {"spec": spec, "pilot_spec": {"name": "p1"}}) == "pilot p1 for expansion_v7"
     # Prefect's generated names are replaced; a typed name (more than two words, digits, ...) is not.
-    assert report._GENERATED_NAME.match("coral-anaconda")
-    assert report._GENERATED_NAME.match("Fantastic-Goose")  # the UI form's prefilled name
-    assert not report._GENERATED_NAME.match("started-from-the-ui")
-    assert not report._GENERATED_NAME.match("nightly 3")
+    from prefect.utilities.names import generate_slug
+
+    # Every name Prefect's API and schedules make up is recognised (coolname's words)...
+    assert all(report.is_generated_name(generate_slug(2)) for _ in range(200))
+    assert report.is_generated_name("coral-anaconda")
+    assert report.is_generated_name("Gorgeous-Akita")  # the V2 run form's prefill
+    assert report.is_generated_name("Fantastic-Goose")  # the V1 run form's prefill
+    # ... and names people type are theirs: the old rule took "Nightly-Test" for a generated one and replaced it.
+    for typed in ("Nightly-Test", "started-from-the-ui", "nightly 3", "expand-auto", "Weekly-Refresh", "v2-rerun"):
+        assert not report.is_generated_name(typed), typed
 
 
 def test_progress_eta_comes_from_the_whole_run_and_lines_are_never_repeated(caplog: pytest.LogCaptureFixture) -> None:
@@ -95,6 +102,21 @@ def test_progress_eta_comes_from_the_whole_run_and_lines_are_never_repeated(capl
     assert "150 of 300 prompts (50%)" in lines[1] and "ETA 1 min 0 s" in lines[1], lines[1]
     assert "252 of 300" in lines[3]
     assert reporter.throughput_series(buckets=3), reporter.samples
+
+
+def test_a_run_shorter_than_one_progress_interval_still_gets_a_throughput_chart() -> None:
+    # The demo's generation takes a few seconds: with one look every 5 s the report's chart used to be missing.
+    reporter = report.ProgressReporter(
+        _ScriptedDispatcher([_stats(3, 40, tokens=6000)] * 50),  # type: ignore[arg-type]
+        total_prompts=40,
+        already_settled=0,
+        progress_artifact_id=None,
+        logger=logging.getLogger("test.progress"),
+        interval_s=5,
+    )
+    with reporter:
+        pass  # generation ended at once: only the final look
+    assert reporter.throughput_series() == [("3.0 s", 2000.0)]
 
 
 def test_run_report_is_a_table_with_servers_stages_and_charts() -> None:
@@ -244,6 +266,12 @@ def test_inspect_shows_manifest_files_rejects_with_examples_and_card(s3_store: O
     missing, ok = inspect_namespace(s3_store, "no_such_ns")
     assert not ok and "nothing there" in missing
 
+    s3_store.put_if_absent("inspect_v2/data/train-00000-of-00001.parquet", b"half a publish")
+    listing = list_namespaces(s3_store)
+    assert "inspect_v1  published" in listing and "3 rows" in listing
+    assert "inspect_v2  NOT PUBLISHED (1 objects" in listing
+    assert "_catalog" not in listing
+
 
 def test_inspect_command_exits_1_for_an_unpublished_namespace(
     s3_store: ObjectStore, monkeypatch: pytest.MonkeyPatch, local_s3: object, capsys: pytest.CaptureFixture[str]
@@ -280,5 +308,23 @@ def test_laptop_command_writes_worker_settings_and_demo_sized_parameters(
         assert spec.shard_size == 50 and spec.sampling.max_new_tokens == 4096 and spec.namespace == "auto"
         assert Path(spec.model_path, "tokenizer.json").exists()
         assert "infra/prefect-worker.sh" in capsys.readouterr().out
+
+        # The same run spec the UI takes checks as it is: the laptop's settings come from worker.env beside it,
+        # `auto` is resolved without writing, and the check leaves nothing in any namespace.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
+        cli = "from datagen.cli import main; raise SystemExit(main())"
+        check = subprocess.run(
+            [sys.executable, "-c", cli, "check", "--config", str(out / "run-spec.json")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert check.returncode == 0, check.stdout + check.stderr
+        assert "namespace 'auto' -> expansion_v1" in check.stdout
+        assert "worker.env" in check.stderr
+        store = ObjectStore.from_settings(settings)
+        left = [o.key for o in store.list()]
+        assert left == [], left  # nothing in `auto/` or `expansion_v1/`, and the probe is gone
     finally:
         localstack.stop(state_dir)

@@ -6,12 +6,14 @@ import hashlib
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import SecretStr
 
 from datagen.localstack import LocalS3
 from datagen.storage import (
+    PREFLIGHT_DIR,
     BucketMissing,
     ObjectExists,
     ObjectStore,
@@ -121,6 +123,30 @@ def test_preflight_passes_on_a_fresh_namespace_and_leaves_nothing(s3_store: Obje
         ("s3.namespace_writable", "pass"),
     ]
     assert not s3_store.exists("fresh/")
+
+
+def test_preflight_never_writes_inside_a_namespace(s3_store: ObjectStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `datagen check` runs this for a namespace nobody may have chosen yet (e.g. before `auto` is resolved):
+    # its write probe must land beside the namespaces, not in one.
+    written: list[str] = []
+    put = s3_store.put_if_absent
+
+    def recording_put(key: str, *args: Any, **kwargs: Any) -> Any:
+        written.append(key)
+        return put(key, *args, **kwargs)
+
+    monkeypatch.setattr(s3_store, "put_if_absent", recording_put)
+    results = {r.name: r for r in s3_preflight(s3_store, "fresh2", resume=False)}
+    assert results["s3.namespace_writable"].status == "pass"
+    assert len(written) == 1 and written[0].startswith(PREFLIGHT_DIR), written
+    assert not s3_store.exists("fresh2/") and not s3_store.exists(PREFLIGHT_DIR)
+
+
+def test_children_lists_one_level(s3_store: ObjectStore) -> None:
+    for key in ("kids/a/x", "kids/a/y/z", "kids/b/x", "kids/top.txt"):
+        s3_store.put_if_absent(key, b"1")
+    assert s3_store.children("kids/") == ["a", "b"]
+    assert s3_store.children("nothing-here/") == []
 
 
 def test_preflight_fails_on_a_namespace_with_data(s3_store: ObjectStore) -> None:

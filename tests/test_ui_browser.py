@@ -171,7 +171,7 @@ def test_run_started_from_the_ui_form_completes(ui_stack: UiStack, tmp_path: Pat
             # The flow-run page shows the final state (reloaded: no waiting on the UI's refresh interval).
             page.reload()
             page.get_by_text("Completed", exact=True).first.wait_for(timeout=60_000)
-            # The name typed in the form is kept (runs Prefect names itself get "expand <namespace>").
+            # The name typed in the form is kept (runs Prefect names itself get "expand <namespace> · <words>").
             assert run["name"] == run_name, run["name"]
             page.get_by_role("tab", name="Artifacts").click()
             page.get_by_text("run-report", exact=False).first.wait_for(timeout=30_000)
@@ -235,7 +235,7 @@ def test_failed_run_page_shows_the_failing_task_and_message(ui_stack: UiStack, t
     flow_run_id = response.json()["id"]
     run = ui_stack.api.wait_for_flow_run(flow_run_id, RUN_TIMEOUT_S, diagnostics=ui_stack.worker_log)
     assert run["state_type"] == "FAILED", run["state"]
-    assert run["name"] == "expand ui-failed-run", run["name"]
+    assert run["name"].startswith("expand ui-failed-run · "), run["name"]
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch_persistent_context(
