@@ -165,7 +165,7 @@ def test_changes_without_the_auth_string_are_refused_and_change_nothing(target: 
     before_runs = _flow_run_ids(target)
     deployment_id = target.deployment["id"]
     pull_steps = target.api.client.get(f"/deployments/{deployment_id}").json()["pull_steps"]
-    shell_step = {"prefect.deployments.steps.run_shell_script": {"script": "touch /tmp/datagen-pwned"}}
+    shell_step = {"prefect.deployments.steps.run_shell_script": {"script": "echo pwned"}}
     probes: list[tuple[str, str, Any]] = [
         ("POST", f"/deployments/{deployment_id}/create_flow_run", {"parameters": {"spec": target.spec}}),
         ("POST", "/logs/filter", {"limit": 10}),
@@ -315,7 +315,7 @@ def test_server_listens_on_loopback_only(target: Target) -> None:
 @pytest.mark.parametrize(
     "job_variables",
     [
-        {"command": "touch /tmp/datagen-pwned"},
+        {"command": "echo pwned"},
         {"env": {"DATAGEN_S3_ENDPOINT_URL": "http://127.0.0.1:9/"}},
         {"working_dir": "/tmp"},
         {"stream_output": False},
@@ -340,7 +340,7 @@ def test_job_variables_patched_into_a_deployment_get_no_run_started(target: Targ
     # every run of that deployment then fails the pool's schema, and the worker has no slot for them anyway.
     path = f"/deployments/{target.deployment['id']}"
     before = _flow_run_ids(target)
-    patched = target.api.client.patch(path, json={"job_variables": {"command": "touch /tmp/datagen-pwned"}})
+    patched = target.api.client.patch(path, json={"job_variables": {"command": "echo pwned"}})
     try:
         assert patched.status_code in (204, 422), patched.text
         response = target.api.create_flow_run(target.deployment["id"], {"spec": target.spec})
