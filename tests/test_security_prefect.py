@@ -13,6 +13,7 @@ import base64
 import json
 import os
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -458,3 +459,33 @@ def test_server_script_refuses_an_open_configuration(env: dict[str, str], messag
     env = {**env, "PREFECT_HOME": str(tmp_path), "PREFECT_SERVER_API_AUTH_STRING": "datagen:probe"}
     result = _script(["infra/prefect-server.sh", "run"], env)
     assert result.returncode == 2 and message in result.stderr, result.stdout + result.stderr
+
+
+EMBEDDED_PROBE = """
+from datagen.cli import _quiet_prefect_defaults
+
+_quiet_prefect_defaults()  # what `datagen run` / `datagen demo` do before the first flow
+import httpx
+from prefect import flow
+from prefect.client.orchestration import get_client
+
+
+@flow
+def probe() -> None:
+    with get_client(sync_client=True) as client:
+        url = str(client.api_url).rstrip("/")
+        print("authenticated", client.request("GET", "/admin/version").status_code)
+    print("anonymous", httpx.get(url + "/admin/version").status_code)
+
+
+probe()
+"""
+
+
+def test_the_embedded_server_of_datagen_run_and_demo_refuses_other_local_users(tmp_path: Path) -> None:
+    env = {"PREFECT_HOME": str(tmp_path / "prefect-home"), "PATH": os.environ["PATH"]}
+    result = subprocess.run(
+        [sys.executable, "-c", EMBEDDED_PROBE], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "authenticated 200" in result.stdout and "anonymous 401" in result.stdout, result.stdout
