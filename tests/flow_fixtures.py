@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+from prefect.settings import (
+    PREFECT_API_AUTH_STRING,
+    PREFECT_CLIENT_MAX_RETRIES,
+    PREFECT_SERVER_API_AUTH_STRING,
+    temporary_settings,
+)
 from prefect.testing.utilities import prefect_test_harness
 
 from datagen.localstack import LocalS3
@@ -16,8 +22,10 @@ __all__ = ["pipeline_env", "prefect_api"]
 
 @pytest.fixture(scope="module")
 def prefect_api() -> Iterator[None]:
-    """A temporary Prefect API (SQLite) for the module's flow runs; the client retries a busy server longer."""
-    with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 7}), prefect_test_harness(server_startup_timeout=120):
+    """A temporary Prefect API (SQLite, basic auth on) for the module's flow runs; its client retries longer."""
+    auth = f"datagen:{secrets.token_urlsafe(30)}"
+    updates = {PREFECT_CLIENT_MAX_RETRIES: 7, PREFECT_SERVER_API_AUTH_STRING: auth, PREFECT_API_AUTH_STRING: auth}
+    with temporary_settings(updates=updates), prefect_test_harness(server_startup_timeout=120):
         yield
 
 

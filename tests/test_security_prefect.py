@@ -13,6 +13,7 @@ import base64
 import json
 import os
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -165,7 +166,7 @@ def test_changes_without_the_auth_string_are_refused_and_change_nothing(target: 
     before_runs = _flow_run_ids(target)
     deployment_id = target.deployment["id"]
     pull_steps = target.api.client.get(f"/deployments/{deployment_id}").json()["pull_steps"]
-    shell_step = {"prefect.deployments.steps.run_shell_script": {"script": "touch /tmp/datagen-pwned"}}
+    shell_step = {"prefect.deployments.steps.run_shell_script": {"script": "echo pwned"}}
     probes: list[tuple[str, str, Any]] = [
         ("POST", f"/deployments/{deployment_id}/create_flow_run", {"parameters": {"spec": target.spec}}),
         ("POST", "/logs/filter", {"limit": 10}),
@@ -315,7 +316,7 @@ def test_server_listens_on_loopback_only(target: Target) -> None:
 @pytest.mark.parametrize(
     "job_variables",
     [
-        {"command": "touch /tmp/datagen-pwned"},
+        {"command": "echo pwned"},
         {"env": {"DATAGEN_S3_ENDPOINT_URL": "http://127.0.0.1:9/"}},
         {"working_dir": "/tmp"},
         {"stream_output": False},
@@ -340,7 +341,7 @@ def test_job_variables_patched_into_a_deployment_get_no_run_started(target: Targ
     # every run of that deployment then fails the pool's schema, and the worker has no slot for them anyway.
     path = f"/deployments/{target.deployment['id']}"
     before = _flow_run_ids(target)
-    patched = target.api.client.patch(path, json={"job_variables": {"command": "touch /tmp/datagen-pwned"}})
+    patched = target.api.client.patch(path, json={"job_variables": {"command": "echo pwned"}})
     try:
         assert patched.status_code in (204, 422), patched.text
         response = target.api.create_flow_run(target.deployment["id"], {"spec": target.spec})
@@ -458,3 +459,33 @@ def test_server_script_refuses_an_open_configuration(env: dict[str, str], messag
     env = {**env, "PREFECT_HOME": str(tmp_path), "PREFECT_SERVER_API_AUTH_STRING": "datagen:probe"}
     result = _script(["infra/prefect-server.sh", "run"], env)
     assert result.returncode == 2 and message in result.stderr, result.stdout + result.stderr
+
+
+EMBEDDED_PROBE = """
+from datagen.cli import _quiet_prefect_defaults
+
+_quiet_prefect_defaults()  # what `datagen run` / `datagen demo` do before the first flow
+import httpx
+from prefect import flow
+from prefect.client.orchestration import get_client
+
+
+@flow
+def probe() -> None:
+    with get_client(sync_client=True) as client:
+        url = str(client.api_url).rstrip("/")
+        print("authenticated", client.request("GET", "/admin/version").status_code)
+    print("anonymous", httpx.get(url + "/admin/version").status_code)
+
+
+probe()
+"""
+
+
+def test_the_embedded_server_of_datagen_run_and_demo_refuses_other_local_users(tmp_path: Path) -> None:
+    env = {"PREFECT_HOME": str(tmp_path / "prefect-home"), "PATH": os.environ["PATH"]}
+    result = subprocess.run(
+        [sys.executable, "-c", EMBEDDED_PROBE], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "authenticated 200" in result.stdout and "anonymous 401" in result.stdout, result.stdout
