@@ -127,6 +127,9 @@ def arch_args(capabilities: Sequence[str], user_args: Sequence[str] = ()) -> lis
 
 def write_key_config(path: Path, api_key: SecretStr) -> Path:
     """Write the servers' key as an SGLang `--config` YAML file, mode 0600 (no key on any command line)."""
+    if api_key.get_secret_value().startswith("-"):
+        # The merge hands SGLang `--api-key <key>`, where a leading "-" reads as a flag (argparse exits 2).
+        raise ValueError("the servers' API key must not start with '-' (SGLang would read it as a flag)")
     private_dir(path.parent)
     # SGLang turns each key into `--<key> <value>` as written, hence "api-key"; JSON quoting keeps it a string.
     with os.fdopen(private_file(path), "w") as f:
