@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from datagen.paths import PathNotAllowed, confine, secure_run
 from datagen.prompts import iter_prompts
 from datagen.runspec import PromptSource, RunSpec, SamplingSpec
 from datagen.settings import Settings
-from datagen.tuning import ServerArgsError, check_server_args
+from datagen.tuning import MANAGED_FLAGS, TUNING_FLAGS, ServerArgsError, check_server_args
 from flows.expand_dataset import expand_dataset
 from tasks.pilot import PilotSpec
 from tasks.provisioning import provision
@@ -313,3 +314,11 @@ def test_an_existing_work_dir_is_made_private(tmp_path: Path) -> None:
     os.chmod(work, 0o755)
     secure_run(Settings(work_dir=work, data_roots=[Path("data")], _env_file=None), RunSpec())
     assert stat.S_IMODE(work.stat().st_mode) == 0o700
+
+
+def test_the_documented_allow_list_is_the_code_s() -> None:
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "real-engine.md").read_text(encoding="utf-8")
+    match = re.search(r"```text tuning-flags\n(.*?)```", doc, re.S)
+    assert match, "docs/real-engine.md lost its tuning-flags block"
+    assert match.group(1).split() == sorted(TUNING_FLAGS)
+    assert all(f"`{flag}`" in doc for flag in MANAGED_FLAGS)
