@@ -143,6 +143,13 @@ def test_sources_outside_the_data_roots_are_refused_whatever_the_spelling(
         with pytest.raises(PathNotAllowed, match="is not under the roots the box allows") as info:
             secure_run(settings, _spec(path), base_dir=data)
         assert "SECRET" not in str(info.value), name
+    # A directory source is read file by file: a link inside it that leads outside refuses the whole source.
+    (data / "sets" / "sub").mkdir(parents=True)
+    _rows(data / "sets" / "fine.jsonl", "fine")
+    (data / "sets" / "sub" / "leak.jsonl").symlink_to(outside)
+    with pytest.raises(PathNotAllowed, match=re.escape("'sets': sub/leak.jsonl leads outside the roots")) as info:
+        secure_run(settings, _spec("sets"), base_dir=data)
+    assert "SECRET" not in str(info.value) and str(outside) not in str(info.value)
     secure_run(settings, _spec("ok.jsonl"), base_dir=data)  # inside: fine, relative to the working directory
     secure_run(settings, _spec(str(data / "ok.jsonl")))
 
