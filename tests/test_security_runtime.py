@@ -19,7 +19,7 @@ import httpx
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from datagen.engine.launcher import launch_flags
+from datagen.engine.launcher import launch_flags, reap_orphaned_servers
 from datagen.layout import RunLayout
 from datagen.model_fixture import ensure_model_dir
 from datagen.paths import PathNotAllowed, confine, secure_run
@@ -329,3 +329,16 @@ def test_the_documented_allow_list_is_the_code_s() -> None:
     assert match, "docs/real-engine.md lost its tuning-flags block"
     assert match.group(1).split() == sorted(TUNING_FLAGS)
     assert all(f"`{flag}`" in doc for flag in MANAGED_FLAGS)
+
+
+def test_a_dead_fleet_s_key_file_is_removed_by_the_next_run(tmp_path: Path) -> None:
+    """A SIGKILLed pipeline cannot remove its key file; the next run on the box does (stop_leftover_servers)."""
+    fleets = tmp_path / "fleets"
+    fleets.mkdir()
+    me = os.getpid()
+    live = fleets / f"{me}-{Path(f'/proc/{me}/stat').read_text().rsplit(')', 1)[1].split()[19]}-a.key.yaml"
+    dead = fleets / "999999999-1-b.key.yaml"
+    for f in (live, dead):
+        f.write_text('api-key: "k"\n')
+    assert reap_orphaned_servers(tmp_path) == []
+    assert live.exists() and not dead.exists()

@@ -460,7 +460,13 @@ def reap_orphaned_servers(work_dir: Path, grace_s: float = STOP_GRACE_S) -> list
     was reused since (start times differ).
     """
     # Started with start_new_session (pid == pgid): the whole group goes, SGLang's scheduler children too.
-    return reap_recorded(work_dir / _FLEETS_DIR, "fleet record", os.killpg, grace_s, kill_group=True)
+    reaped = reap_recorded(work_dir / _FLEETS_DIR, "fleet record", os.killpg, grace_s, kill_group=True)
+    # A dead fleet's key file (named <pid>-<start>-...): no server of it runs any more.
+    for key_file in (work_dir / _FLEETS_DIR).glob("*.key.yaml"):
+        pid, start = key_file.name.split("-")[:2]
+        if pid.isdigit() and start.isdigit() and not _is_process(int(pid), int(start)):
+            key_file.unlink(missing_ok=True)
+    return reaped
 
 
 def reap_recorded(
