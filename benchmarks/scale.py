@@ -533,6 +533,7 @@ def run_once(n: int, mode: str, s3: Any, root: Path, servers: int, shard_size: i
         "DATAGEN_REQUIRE_TMPFS_MODEL": "false",
         "DATAGEN_WORK_DIR": str(work),
         "DATAGEN_SERVER_START_TIMEOUT_S": "300",
+        "DATAGEN_DATA_ROOTS": str(run_dir),  # the prompt file this run writes
     }
     env.update(datagen_env)
     env.update(STANDIN_ENV)

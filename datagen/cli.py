@@ -201,6 +201,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                 "DATAGEN_SKIP_GPU_CHECKS": "true",
                 "DATAGEN_REQUIRE_TMPFS_MODEL": "false",
                 "DATAGEN_SERVER_START_TIMEOUT_S": "120",
+                **_roots_env(model_dir),
             }
         )
         namespace = args.namespace or time.strftime("demo-%Y%m%d-%H%M%S")
@@ -259,9 +260,18 @@ def laptop_spec(model_dir: Path, namespace: str = "auto") -> dict[str, Any]:
     }
 
 
-def laptop_env(s3_env: dict[str, str], work_dir: Path, servers: int) -> dict[str, str]:
+def _roots_env(model_dir: Path) -> dict[str, str]:
+    """The bundled prompts and the fixture model as the only roots run paths may resolve under."""
+    return {
+        "DATAGEN_DATA_ROOTS": str(REPO_ROOT / "data"),
+        "DATAGEN_MODEL_ROOTS": str(model_dir),
+    }
+
+
+def laptop_env(s3_env: dict[str, str], work_dir: Path, servers: int, model_dir: Path | None = None) -> dict[str, str]:
     """DATAGEN_* settings of a laptop worker: local S3, stand-in servers on free ports, no GPU checks."""
     return {
+        **(_roots_env(model_dir) if model_dir is not None else {}),
         **s3_env,
         "DATAGEN_ENGINE": "standin",
         "DATAGEN_NUM_SERVERS": str(servers),
@@ -288,7 +298,7 @@ def _cmd_laptop(args: argparse.Namespace) -> int:
     model_dir = ensure_model_dir()
     print(f"starting the local S3 server (state in {args.state_dir}) ...", flush=True)
     info = localstack.start(args.state_dir)
-    env = laptop_env(info.env(), out / "work", args.servers)
+    env = laptop_env(info.env(), out / "work", args.servers, model_dir)
     env_file = out / "worker.env"
     fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the S3 secret
     with os.fdopen(fd, "w") as f:

@@ -53,12 +53,27 @@ def confine(path: str, roots: Sequence[Path], what: str, setting: str, base_dir:
     raise PathNotAllowed(f"{what} {path!r} is not under the roots the box allows ({setting}: {shown})")
 
 
+def _confine_tree(real: Path, given: str, roots: Sequence[Path], base: Path) -> None:
+    """Every file a directory source would read (its files, a saved dataset's) resolves under the roots too."""
+    if not real.is_dir():
+        return
+    for path in real.rglob("*"):
+        if not _under(Path(os.path.realpath(path)), roots, base):
+            inside = path.relative_to(real).as_posix()  # a name inside the root: nothing outside is revealed
+            shown = ", ".join(str(r) for r in roots)
+            raise PathNotAllowed(
+                f"prompt source {given!r}: {inside} leads outside the roots the box allows "
+                f"(DATAGEN_DATA_ROOTS: {shown})"
+            )
+
+
 def secure_run(settings: Settings, spec: RunSpec, base_dir: Path | None = None, sources: bool = True) -> None:
     """Refuse a run whose sources or model lie outside the box's roots; make the work directory private."""
     base = base_dir if base_dir is not None else Path.cwd()
     for source in spec.sources if sources else []:
         try:
-            confine(source.path, settings.data_roots, "prompt source", "DATAGEN_DATA_ROOTS", base)
+            real = confine(source.path, settings.data_roots, "prompt source", "DATAGEN_DATA_ROOTS", base)
+            _confine_tree(real, source.path, settings.data_roots, base)
         except PathNotAllowed:
             local = _real(Path(source.path).expanduser(), base)
             # A Hub id is a name, not a path; one that is also a local path outside the roots stays refused

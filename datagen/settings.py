@@ -6,11 +6,13 @@ defaults. Secrets are `SecretStr`: they never appear in logs, reprs, flow parame
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 __all__ = ["Settings"]
 
@@ -68,18 +70,19 @@ class Settings(BaseSettings):
     work_dir: Path = Field(
         Path(".datagen"), description="Checkpoints, server logs and Prefect task results (made 0700 by every run)."
     )
-    data_roots: list[Path] = Field(
+    data_roots: Annotated[list[Path], NoDecode] = Field(
         default_factory=lambda: [Path("data")],
         description=(
-            "Directories prompt sources must resolve under (symlinks and '..' followed); relative roots are taken "
-            "from the working directory (a deployed worker's is the checkout, so 'data' is its bundled prompts)."
+            "Directories prompt sources must resolve under (symlinks and '..' followed), separated by ':' like PATH "
+            "(or a JSON list); relative roots are taken from the working directory (a deployed worker's is the "
+            "checkout, so 'data' is its bundled prompts)."
         ),
     )
-    model_roots: list[Path] = Field(
+    model_roots: Annotated[list[Path], NoDecode] = Field(
         default_factory=lambda: [Path("/dev/shm"), Path.home() / ".cache" / "datagen"],
         description=(
-            "Directories RunSpec.model_path must resolve under: the staged model in /dev/shm, and the fixture "
-            "model directory of laptops and tests (~/.cache/datagen)."
+            "Directories RunSpec.model_path must resolve under, separated by ':' (or a JSON list): the staged model "
+            "in /dev/shm, and the fixture model directory of laptops and tests (~/.cache/datagen)."
         ),
     )
     hub_datasets: bool = Field(
@@ -106,6 +109,14 @@ class Settings(BaseSettings):
         default_factory=lambda: ["12.0"], description="Compute capabilities the GPUs must have."
     )
     require_tmpfs_model: bool = Field(True, description="Require the model directory to live on tmpfs.")
+
+    @field_validator("data_roots", "model_roots", mode="before")
+    @classmethod
+    def _roots(cls, v: object) -> object:
+        # From the environment: "/a:/b" as PATH is written (shell- and systemd-friendly), or a JSON list.
+        if isinstance(v, str):
+            return json.loads(v) if v.lstrip().startswith("[") else [p for p in v.split(os.pathsep) if p]
+        return v
 
     @field_validator("sglang_api_key")
     @classmethod

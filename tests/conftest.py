@@ -1,4 +1,3 @@
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -11,7 +10,7 @@ from tests.s3_fixtures import *  # noqa: F403
 # those are this machine's roots (set here, so workers and flows started by tests inherit them). A box keeps
 # the defaults or names its own (README, Settings); tests/test_security_runtime.py passes narrower ones.
 _REPO = Path(__file__).resolve().parents[1]
-os.environ.setdefault("DATAGEN_DATA_ROOTS", json.dumps([str(_REPO / "data"), tempfile.gettempdir()]))
+os.environ.setdefault("DATAGEN_DATA_ROOTS", os.pathsep.join([str(_REPO / "data"), tempfile.gettempdir()]))
 os.environ.setdefault(
-    "DATAGEN_MODEL_ROOTS", json.dumps(["/dev/shm", str(Path.home() / ".cache" / "datagen"), tempfile.gettempdir()])
+    "DATAGEN_MODEL_ROOTS", os.pathsep.join(["/dev/shm", str(Path.home() / ".cache" / "datagen"), tempfile.gettempdir()])
 )

@@ -324,6 +324,9 @@ def worker_env(s3: LocalS3, s3_prefix: str, work_dir: Path, length_mean: int, le
         "DATAGEN_REQUIRE_TMPFS_MODEL": "false",
         "DATAGEN_SERVER_START_TIMEOUT_S": "120",
         "DATAGEN_WORK_DIR": str(work_dir),
+        # Prompts and models of these tests live in temporary directories (tests/conftest.py names the roots).
+        "DATAGEN_DATA_ROOTS": os.environ["DATAGEN_DATA_ROOTS"],
+        "DATAGEN_MODEL_ROOTS": os.environ["DATAGEN_MODEL_ROOTS"],
         "DATAGEN_STANDIN_LOAD_S": "0",
         "DATAGEN_STANDIN_WARMUP_S": "0",
         "DATAGEN_STANDIN_LENGTH_MEAN": str(length_mean),

@@ -343,15 +343,20 @@ def test_flags_and_settings_judged_by_the_standin_s_own_code(tmp_path: Path) -> 
     old = spec.model_copy(update={"server_args": ["--mamba-scheduler-strategy", "no_buffer"]})
     r = by_name(server_flag_checks(settings, old))
     assert r["engine.server_flags"].status == "fail"
-    assert "--mamba-scheduler-strategy" in r["engine.server_flags"].detail
+    assert "'--mamba-scheduler-strategy' is not on the allow-list" in r["engine.server_flags"].detail
     assert r["engine.settings"].status == "skipped"
     bad_value = spec.model_copy(update={"server_args": ["--mamba-radix-cache-strategy", "sometimes"]})
     detail = by_name(server_flag_checks(settings, bad_value))["engine.server_flags"].detail
     assert "invalid choice: 'sometimes'" in detail  # a value, not only a name, is checked
-    lmo = spec.model_copy(update={"server_args": ["--language-model-only"]})
-    refused = by_name(server_flag_checks(settings, lmo))["engine.settings"]
+    no_buffer = spec.model_copy(update={"server_args": ["--mamba-radix-cache-strategy", "no_buffer"]})
+    refused = by_name(server_flag_checks(settings, no_buffer))["engine.settings"]  # needs no overlap schedule
     assert refused.status == "fail"
-    assert "--language-model-only does not support ['Qwen3_5ForConditionalGeneration']" in refused.detail
+    assert "no_buffer" in refused.detail
+    # A flag the run may not set never reaches the engine (datagen/tuning.py).
+    lmo = by_name(server_flag_checks(settings, spec.model_copy(update={"server_args": ["--language-model-only"]})))
+    assert lmo["engine.server_flags"].status == "fail"
+    assert "--language-model-only is managed by the pipeline" in lmo["engine.server_flags"].detail
+    assert lmo["engine.settings"].status == "skipped"
     missing = spec.model_copy(update={"model_path": str(tmp_path / "absent")})
     assert by_name(server_flag_checks(settings, missing))["engine.settings"].status == "skipped"
 

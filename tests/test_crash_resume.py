@@ -87,6 +87,9 @@ def _env(local_s3: LocalS3, tmp_path: Path) -> dict[str, str]:
             "DATAGEN_SKIP_GPU_CHECKS": "true",
             "DATAGEN_REQUIRE_TMPFS_MODEL": "false",
             "DATAGEN_WORK_DIR": str(tmp_path / "work"),
+            # Prompts and models in temporary directories: the roots tests/conftest.py names.
+            "DATAGEN_DATA_ROOTS": os.environ["DATAGEN_DATA_ROOTS"],
+            "DATAGEN_MODEL_ROOTS": os.environ["DATAGEN_MODEL_ROOTS"],
             "DATAGEN_SERVER_START_TIMEOUT_S": "180",
             # ~25 tokens/s per request: a mean output of 80 tokens takes ~3 s, the whole set ~40 s.
             "DATAGEN_STANDIN_LENGTH_MEAN": "80",
@@ -100,14 +103,16 @@ def _env(local_s3: LocalS3, tmp_path: Path) -> dict[str, str]:
 
 
 def _marked(work_dir: Path) -> list[int]:
-    """Pids of processes started (directly or not) by a flow run on `work_dir`: they inherited its env."""
+    """Pids of processes started (directly or not) by a flow run on `work_dir`: the flow's by its environment, the
+    servers' (which inherit only an allow-listed environment) by their key file under the work dir."""
     marker = f"DATAGEN_WORK_DIR={work_dir}".encode()
+    key_dir = f"{work_dir}/fleets/".encode()
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         with contextlib.suppress(OSError):
-            if marker in (entry / "environ").read_bytes().split(b"\0"):
+            if marker in (entry / "environ").read_bytes().split(b"\0") or key_dir in (entry / "cmdline").read_bytes():
                 found.append(int(entry.name))
     return found
 

@@ -54,14 +54,18 @@ STANDIN_PACE = {
 
 
 def _pids_with_env(marker: str) -> list[int]:
-    """Processes whose environment holds `marker` (a path unique to this test: only processes it started)."""
+    """Processes whose environment holds `marker` (a path unique to this test: only processes it started).
+
+    Servers inherit only an allow-listed environment: they are found by their key file under the work dir.
+    """
     needle = marker.encode() + b"\0"
+    key_dir = marker.split("=", 1)[1].encode() + b"/fleets/"
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         with suppress(OSError):
-            if needle in (entry / "environ").read_bytes():
+            if needle in (entry / "environ").read_bytes() or key_dir in (entry / "cmdline").read_bytes():
                 found.append(int(entry.name))
     return found
 

@@ -73,6 +73,9 @@ def test_embedded_prefect_server_of_a_sigkilled_pipeline_is_stopped_by_the_next_
             "DATAGEN_SKIP_GPU_CHECKS": "true",
             "DATAGEN_REQUIRE_TMPFS_MODEL": "false",
             "DATAGEN_WORK_DIR": str(work),
+            # Prompts and models in temporary directories: the roots tests/conftest.py names.
+            "DATAGEN_DATA_ROOTS": os.environ["DATAGEN_DATA_ROOTS"],
+            "DATAGEN_MODEL_ROOTS": os.environ["DATAGEN_MODEL_ROOTS"],
             "DATAGEN_SERVER_START_TIMEOUT_S": "180",
             "DATAGEN_STANDIN_STEP_BASE_MS": "50",  # slow: the run is still generating when it is killed
             "PREFECT_HOME": str(tmp_path / "prefect-home"),

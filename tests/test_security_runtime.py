@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -18,14 +19,14 @@ import httpx
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from datagen.engine.launcher import launch_flags
+from datagen.engine.launcher import launch_flags, reap_orphaned_servers
 from datagen.layout import RunLayout
 from datagen.model_fixture import ensure_model_dir
 from datagen.paths import PathNotAllowed, confine, secure_run
 from datagen.prompts import iter_prompts
 from datagen.runspec import PromptSource, RunSpec, SamplingSpec
 from datagen.settings import Settings
-from datagen.tuning import ServerArgsError, check_server_args
+from datagen.tuning import MANAGED_FLAGS, TUNING_FLAGS, ServerArgsError, check_server_args
 from flows.expand_dataset import expand_dataset
 from tasks.pilot import PilotSpec
 from tasks.provisioning import provision
@@ -142,6 +143,13 @@ def test_sources_outside_the_data_roots_are_refused_whatever_the_spelling(
         with pytest.raises(PathNotAllowed, match="is not under the roots the box allows") as info:
             secure_run(settings, _spec(path), base_dir=data)
         assert "SECRET" not in str(info.value), name
+    # A directory source is read file by file: a link inside it that leads outside refuses the whole source.
+    (data / "sets" / "sub").mkdir(parents=True)
+    _rows(data / "sets" / "fine.jsonl", "fine")
+    (data / "sets" / "sub" / "leak.jsonl").symlink_to(outside)
+    with pytest.raises(PathNotAllowed, match=re.escape("'sets': sub/leak.jsonl leads outside the roots")) as info:
+        secure_run(settings, _spec("sets"), base_dir=data)
+    assert "SECRET" not in str(info.value) and str(outside) not in str(info.value)
     secure_run(settings, _spec("ok.jsonl"), base_dir=data)  # inside: fine, relative to the working directory
     secure_run(settings, _spec(str(data / "ok.jsonl")))
 
@@ -313,3 +321,24 @@ def test_an_existing_work_dir_is_made_private(tmp_path: Path) -> None:
     os.chmod(work, 0o755)
     secure_run(Settings(work_dir=work, data_roots=[Path("data")], _env_file=None), RunSpec())
     assert stat.S_IMODE(work.stat().st_mode) == 0o700
+
+
+def test_the_documented_allow_list_is_the_code_s() -> None:
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "real-engine.md").read_text(encoding="utf-8")
+    match = re.search(r"```text tuning-flags\n(.*?)```", doc, re.S)
+    assert match, "docs/real-engine.md lost its tuning-flags block"
+    assert match.group(1).split() == sorted(TUNING_FLAGS)
+    assert all(f"`{flag}`" in doc for flag in MANAGED_FLAGS)
+
+
+def test_a_dead_fleet_s_key_file_is_removed_by_the_next_run(tmp_path: Path) -> None:
+    """A SIGKILLed pipeline cannot remove its key file; the next run on the box does (stop_leftover_servers)."""
+    fleets = tmp_path / "fleets"
+    fleets.mkdir()
+    me = os.getpid()
+    live = fleets / f"{me}-{Path(f'/proc/{me}/stat').read_text().rsplit(')', 1)[1].split()[19]}-a.key.yaml"
+    dead = fleets / "999999999-1-b.key.yaml"
+    for f in (live, dead):
+        f.write_text('api-key: "k"\n')
+    assert reap_orphaned_servers(tmp_path) == []
+    assert live.exists() and not dead.exists()

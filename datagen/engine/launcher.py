@@ -127,6 +127,9 @@ def arch_args(capabilities: Sequence[str], user_args: Sequence[str] = ()) -> lis
 
 def write_key_config(path: Path, api_key: SecretStr) -> Path:
     """Write the servers' key as an SGLang `--config` YAML file, mode 0600 (no key on any command line)."""
+    if api_key.get_secret_value().startswith("-"):
+        # The merge hands SGLang `--api-key <key>`, where a leading "-" reads as a flag (argparse exits 2).
+        raise ValueError("the servers' API key must not start with '-' (SGLang would read it as a flag)")
     private_dir(path.parent)
     # SGLang turns each key into `--<key> <value>` as written, hence "api-key"; JSON quoting keeps it a string.
     with os.fdopen(private_file(path), "w") as f:
@@ -457,7 +460,13 @@ def reap_orphaned_servers(work_dir: Path, grace_s: float = STOP_GRACE_S) -> list
     was reused since (start times differ).
     """
     # Started with start_new_session (pid == pgid): the whole group goes, SGLang's scheduler children too.
-    return reap_recorded(work_dir / _FLEETS_DIR, "fleet record", os.killpg, grace_s, kill_group=True)
+    reaped = reap_recorded(work_dir / _FLEETS_DIR, "fleet record", os.killpg, grace_s, kill_group=True)
+    # A dead fleet's key file (named <pid>-<start>-...): no server of it runs any more.
+    for key_file in (work_dir / _FLEETS_DIR).glob("*.key.yaml"):
+        pid, start = key_file.name.split("-")[:2]
+        if pid.isdigit() and start.isdigit() and not _is_process(int(pid), int(start)):
+            key_file.unlink(missing_ok=True)
+    return reaped
 
 
 def reap_recorded(

@@ -76,7 +76,8 @@ def resolve_args(args: argparse.Namespace, config: dict[str, Any], knobs: Knobs,
     Secrets are NOT masked: real SGLang's `ServerArgs.resolved_dict()` masks only watermark keys, so its startup
     log and /server_info carry `api_key` in clear. The stand-in does the same so tests can see a leak.
     """
-    resolved = dict(vars(args))
+    # `--config` is the parser's, not a ServerArgs field: `ServerArgs.from_cli_args` keeps only fields.
+    resolved = {k: v for k, v in vars(args).items() if k != "config"}
     context = args.context_length or int(config.get("max_position_embeddings") or 262144)
     spec = "EAGLE" if args.speculative_algorithm == "NEXTN" else args.speculative_algorithm
     if args.max_running_requests is not None:

@@ -83,3 +83,51 @@ def test_real_parser_lets_the_issue_probes_win_which_is_why_they_are_refused(
 def test_real_config_merger_reads_every_key_from_our_file(real_sglang: RealSglang, tmp_path: Path) -> None:
     """write_key_config's YAML gives the real `--config` merger the key exactly, whatever its characters."""
     assert _real(real_sglang, tmp_path)["keys"] == KEYS
+
+
+_MERGE = r"""
+import argparse, json
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+p = argparse.ArgumentParser(prog="sglang serve")
+ServerArgs.add_cli_args(p)
+out = []
+for argv in json.loads(ARGS[0]):
+    try:
+        out.append(ConfigArgumentMerger(p).merge_config_with_args(argv))
+    except ValueError as exc:
+        out.append(f"ValueError: {exc}")
+RESULT = out
+"""
+
+
+def test_standin_merges_a_config_file_as_the_real_merger_does(real_sglang: RealSglang, tmp_path: Path) -> None:
+    """The stand-in's `--config` (how servers get the key) gives the argv the real ConfigArgumentMerger gives."""
+    from datagen.standin import cli
+
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        'api-key: "k"\nenable-metrics: true\ndisable-radix-cache: false\nmax-running-requests: 48\n'
+        'default-chat-template-kwargs: {"enable_thinking": true}\nlog-requests-level: 2\n'
+    )
+    empty, not_yaml = tmp_path / "e.yml", tmp_path / "c.json"
+    empty.write_text("")
+    not_yaml.write_text("{}")
+    argvs = [
+        ["--model-path", "m", "--config", str(config), "--port", "1"],
+        ["--config", str(empty), "--model-path", "m"],
+        ["--model-path", "m", "--config", str(not_yaml)],
+        ["--model-path", "m", "--config", str(tmp_path / "absent.yaml")],
+        ["--model-path", "m", "--config"],
+        ["--config", str(config), "--config", str(config)],
+        ["--model-path", "m"],
+    ]
+    real = real_sglang.run(_MERGE, [json.dumps(argvs)])
+
+    def standin(argv: list[str]) -> list[str] | str:
+        try:
+            return cli.merge_config(cli.build_parser(), argv)
+        except ValueError as exc:
+            return f"ValueError: {exc}"
+
+    assert [standin(a) for a in argvs] == real
