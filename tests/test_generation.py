@@ -16,12 +16,13 @@ import pytest
 from datagen.chat import IM_END_ID, ChatTokenizer
 from datagen.endpoints import ServerEndpoint
 from datagen.engine.dispatcher import Dispatcher
+from datagen.identity import prompt_id_from_messages, request_key
 from datagen.layout import RunLayout
 from datagen.model_fixture import ensure_model_dir
-from datagen.records import Completion, Prompt, Reject, prompt_id_for
+from datagen.records import Completion, Prompt, Reject
 from datagen.runspec import RunSpec, SamplingSpec
 from datagen.standin.testing import run_standin
-from tasks.generation import ShardResult, generate_shard, request_key
+from tasks.generation import ShardResult, generate_shard
 
 # Fast, short outputs: these tests check bookkeeping, not speed.
 FAST = {
@@ -50,10 +51,10 @@ def write_shard(layout: RunLayout, shard_id: int, n: int, *, long_prompt: bool =
     prompts = []
     for i in range(n):
         messages = [{"role": "user", "content": f"Question {i}: what is {i} + {i * 7}? Explain briefly."}]
-        prompts.append(Prompt(prompt_id_for("t", messages), "t", i, messages, category="math"))
+        prompts.append(Prompt(prompt_id_from_messages("t", messages), "t", i, messages, category="math"))
     if long_prompt:
         messages = [{"role": "user", "content": "word " * 1000}]
-        prompts.append(Prompt(prompt_id_for("t", messages), "t", n, messages))
+        prompts.append(Prompt(prompt_id_from_messages("t", messages), "t", n, messages))
     path = layout.shard_prompts(shard_id)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(p.to_json() + "\n" for p in prompts))
@@ -217,7 +218,7 @@ def test_a_servers_400_becomes_a_reject_row_with_its_message(
     layout = RunLayout(tmp_path)
     prompts = write_shard(layout, 4, 5)
     messages = [{"role": "user", "content": "tell me about " * 60}]
-    prompts.append(Prompt(prompt_id_for("t", messages), "t", 5, messages))
+    prompts.append(Prompt(prompt_id_from_messages("t", messages), "t", 5, messages))
     layout.shard_prompts(4).write_text("".join(p.to_json() + "\n" for p in prompts))
     # Our limit (400) lets it through; the server's own context (160 tokens) does not.
     with box(model_dir, {}, args=("--context-length", "160")) as eps:

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from datagen.identity import prompt_id_from_messages
 from datagen.layout import RunLayout
-from datagen.records import Prompt, Reject, prompt_id_for
+from datagen.model_fixture import ensure_model_dir
+from datagen.records import Prompt, Reject
 from datagen.runspec import PromptSource, RunSpec
 from tasks.ordering import LengthModel, LengthSample, long_first, long_first_filter, run_filter
 from tasks.planning import plan_shards
@@ -17,7 +19,7 @@ from tasks.selection import choose, stratified_sample
 
 def _prompt(source: str, n: int, category: str | None = None, text: str = "") -> Prompt:
     messages = [{"role": "user", "content": text or f"{source} question {n}"}]
-    return Prompt(prompt_id_for(source, messages), source, n, messages, category)
+    return Prompt(prompt_id_from_messages(source, messages), source, n, messages, category)
 
 
 def _model() -> LengthModel:
@@ -80,7 +82,11 @@ def test_planning_writes_shards_longest_expected_first(tmp_path: Path) -> None:
     rows = [{"messages": [{"role": "user", "content": f"q{i}"}], "category": ["easy", "hard"][i % 2]} for i in range(8)]
     path = tmp_path / "code.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    spec = RunSpec(sources=[PromptSource(path=str(path), category_field="category")], shard_size=4)
+    spec = RunSpec(
+        sources=[PromptSource(path=str(path), category_field="category")],
+        shard_size=4,
+        model_path=str(ensure_model_dir()),
+    )
     layout = RunLayout(tmp_path / "run")
     plan = plan_shards(spec, layout, select=long_first_filter(_model(), tmp_path / "spill"))
     first = [Prompt.from_json(line).category for line in layout.shard_prompts(0).read_text().splitlines()]
