@@ -19,10 +19,12 @@ from datagen.engine.dispatcher import Dispatcher
 from datagen.identity import prompt_id_from_messages, request_key
 from datagen.layout import RunLayout
 from datagen.model_fixture import ensure_model_dir
+from datagen.preparation import Preparer
 from datagen.records import Completion, Prompt, Reject
-from datagen.runspec import RunSpec, SamplingSpec
+from datagen.runspec import PromptSource, RunSpec, SamplingSpec
 from datagen.standin.testing import run_standin
 from tasks.generation import ShardResult, generate_shard
+from tasks.planning import plan_shards
 
 # Fast, short outputs: these tests check bookkeeping, not speed.
 FAST = {
@@ -231,3 +233,27 @@ def test_a_servers_400_becomes_a_reject_row_with_its_message(
     (reject,) = rows(layout.shard_rejects(4))
     assert reject["reason"] == "server_rejected" and reject["prompt_id"] == prompts[-1].prompt_id
     assert "context length" in reject["detail"]
+
+
+def test_generation_sends_planning_s_render_without_rendering_again(
+    tmp_path: Path, model_dir: Path, chat: ChatTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = tmp_path / "q.jsonl"
+    source.write_text("".join(json.dumps({"instruction": f"Question {i}: add {i} and {i}."}) + "\n" for i in range(12)))
+    spec = SPEC.model_copy(update={"model_path": str(model_dir), "sources": [PromptSource(path=str(source))]})
+    layout = RunLayout(tmp_path / "run")
+    plan = plan_shards(spec, layout)
+
+    def no_render(self: Preparer, messages: list[Any]) -> list[int]:
+        raise AssertionError("generation rendered a prompt that planning had rendered")
+
+    monkeypatch.setattr(Preparer, "__call__", no_render)
+    with box(model_dir, {}) as eps:
+        d = make_dispatcher(eps)
+        try:
+            result = generate_shard(plan.shard_ids[0], layout, d, chat, spec)
+        finally:
+            d.close()
+    assert (result.n_completed, result.n_rejected) == (12, 0)
+    for c in rows(layout.shard_completions(0)):
+        assert c["prompt_tokens"] == len(chat.prompt_ids(Completion.from_json(json.dumps(c)).messages))

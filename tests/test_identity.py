@@ -40,8 +40,13 @@ def test_request_keys_are_the_ones_the_old_code_gave() -> None:
 
 
 def test_generation_cache_key_is_the_one_the_old_flow_gave() -> None:
-    key = generation_cache_key("golden_ns", "ab" * 32, OTHER_SAMPLING, FINGERPRINT, 7)
-    assert key == "generate-golden_ns-abababababababab-6239cac4ec44fb4f-shard-00007"
+    from flows.expand_dataset import _generation_cache_key
+
+    golden = "generate-golden_ns-abababababababab-6239cac4ec44fb4f-shard-00007"
+    assert generation_cache_key("golden_ns", "ab" * 32, OTHER_SAMPLING, FINGERPRINT, 7) == golden
+    spec = RunSpec(namespace="golden_ns", sampling=OTHER_SAMPLING)
+    parameters = {"spec": spec, "model_fingerprint": FINGERPRINT, "plan_sha256": "ab" * 32, "shard_id": 7}
+    assert _generation_cache_key(None, parameters) == golden  # type: ignore[arg-type]
 
 
 def test_a_run_renders_prompt_ids_as_the_old_code_did_and_request_keys_follow() -> None:

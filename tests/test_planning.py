@@ -279,3 +279,24 @@ def test_huge_row_is_rejected_as_too_long_without_being_tokenized(
     assert "4999999 characters of content cannot fit in 4096 prompt tokens" in reject.detail
     assert "without tokenizing" in reject.detail
     assert max(encoded) < 1000  # only the short row was ever tokenized
+
+
+def test_planning_writes_each_shard_s_render_and_a_stale_one_is_not_used(tmp_path: Path) -> None:
+    from datagen.chat import ChatTokenizer
+    from datagen.identity import PromptIdentity
+    from datagen.preparation import read_rendered
+
+    a = write_rows(tmp_path / "a.jsonl", 7)
+    layout = RunLayout(tmp_path / "run")
+    spec = spec_for(a, shard_size=3)
+    plan = plan_shards(spec, layout)
+    key = PromptIdentity.for_spec(spec).preparer.render_key
+    chat = ChatTokenizer.shared(spec.model_path)
+    for shard_id in plan.shard_ids:
+        path = layout.shard_prompts(shard_id)
+        prompts = [Prompt.from_json(line) for line in path.read_text().splitlines()]
+        assert read_rendered(path, key) == [chat.prompt_ids(p.messages) for p in prompts]
+    assert read_rendered(layout.shard_prompts(0), key.replace("thinking=True", "thinking=False")) is None
+    path = layout.shard_prompts(1)
+    path.write_text(path.read_text().replace("question 3", "question three"))  # edited after planning
+    assert read_rendered(path, key) is None
