@@ -11,7 +11,6 @@ which fetches only the prompts file).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import tempfile
@@ -24,13 +23,13 @@ import pyarrow as pa
 
 from datagen.chat import ChatTokenizer, TemplateError
 from datagen.records import Message
+from datagen.storage import sha256_file
 
 __all__ = ["Preparer", "Unsendable", "read_rendered", "rendered_path", "write_rendered"]
 
 log = logging.getLogger(__name__)
 
 _IDS_SCHEMA = pa.schema([pa.field("input_ids", pa.list_(pa.int32()), nullable=False)])
-_HASH_CHUNK = 1 << 20
 
 
 class Unsendable(ValueError):
@@ -121,7 +120,10 @@ def read_rendered(prompts_path: Path, render_key: str) -> list[list[int]] | None
         log.warning("%s: unreadable render cache, rendering instead: %s", path, exc)
         return None
     meta = table.schema.metadata or {}
-    if meta.get(b"render_key") != render_key.encode() or meta.get(b"prompts_sha256") != _sha256(prompts_path).encode():
+    if (
+        meta.get(b"render_key") != render_key.encode()
+        or meta.get(b"prompts_sha256") != sha256_file(prompts_path).encode()
+    ):
         log.info("%s: made for other prompts or another model; rendering instead", path)
         return None
     ids: list[list[int]] = table.column("input_ids").to_pylist()
@@ -138,11 +140,3 @@ def _metadata(path: Path) -> dict[bytes, bytes] | None:
             return meta
     except (pa.ArrowException, OSError):
         return None
-
-
-def _sha256(path: Path) -> str:
-    sha = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            sha.update(chunk)
-    return sha.hexdigest()

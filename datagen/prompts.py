@@ -82,13 +82,8 @@ class PromptSourceError(ValueError):
     """A prompt source cannot be read at all (missing path, unsupported file type, dataset not loadable)."""
 
 
-class _RowError(Exception):
-    """One row is not a usable prompt; becomes a load `Reject` with this reason."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
+class _RowError(Unsendable):
+    """One row is not a usable prompt; becomes a load `Reject` with this reason (like an unsendable one)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,10 +179,9 @@ def _to_prompt(
             prompt_id, input_ids = identity(label, messages)
         else:
             prompt_id, input_ids = prompt_id_from_messages(label, messages), None
-    except (_RowError, Unsendable) as err:
-        message = err.message if isinstance(err, _RowError) else err.detail
+    except Unsendable as err:  # _RowError included
         return Reject(
-            stage="load", reason=err.reason, detail=f"{where}: {message}", source=label, row=row, location=where
+            stage="load", reason=err.reason, detail=f"{where}: {err.detail}", source=label, row=row, location=where
         )
     if prompt_id in seen:
         return Reject(

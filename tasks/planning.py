@@ -28,13 +28,13 @@ from datagen.prompts import iter_prompts
 from datagen.quality import GateReport, check_load_gate
 from datagen.records import Prompt, Reject
 from datagen.runspec import QualityGate, RunSpec
+from datagen.storage import sha256_file
 
 __all__ = ["ShardEntry", "ShardPlan", "check_plan", "plan_manifest_path", "plan_shards", "read_plan"]
 
 log = logging.getLogger(__name__)
 
 _SHARD_FILE_RE = re.compile(r"^shard-(\d{5,})\.prompts\.jsonl$")
-_HASH_CHUNK = 1 << 20
 
 
 class ShardEntry(BaseModel):
@@ -197,7 +197,7 @@ def read_plan(layout: RunLayout, verify: bool = True) -> ShardPlan | None:
     expected = [(layout.shard_prompts(s.shard_id), s.sha256) for s in plan.shards]
     expected.append((layout.load_rejects, plan.load_rejects_sha256))
     for path, sha in expected:
-        if not path.is_file() or _file_sha256(path) != sha:
+        if not path.is_file() or sha256_file(path) != sha:
             return None
     return plan
 
@@ -241,7 +241,7 @@ class _HashingWriter:
         os.fsync(self._file.fileno())
         self._file.close()
         target = self.target
-        if target.is_file() and target.stat().st_size == self._size and _file_sha256(target) == digest:
+        if target.is_file() and target.stat().st_size == self._size and sha256_file(target) == digest:
             # Identical: keep the existing file (same inode and mtime) so nothing downstream sees a change.
             self._tmp.unlink()
         else:
@@ -264,11 +264,3 @@ def _remove_stale_shards(layout: RunLayout, n_shards: int, before_change: Callab
             before_change()
             path.unlink()
             rendered_path(path).unlink(missing_ok=True)
-
-
-def _file_sha256(path: Path) -> str:
-    sha = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            sha.update(chunk)
-    return sha.hexdigest()
