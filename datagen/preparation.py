@@ -25,7 +25,7 @@ from datagen.chat import ChatTokenizer, TemplateError
 from datagen.records import Message
 from datagen.storage import sha256_file
 
-__all__ = ["Preparer", "Unsendable", "read_rendered", "rendered_path", "write_rendered"]
+__all__ = ["Preparer", "RenderedIds", "Unsendable", "read_rendered", "rendered_path", "write_rendered"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,10 @@ class Preparer:
             ids = self.chat.prompt_ids(messages, self.enable_thinking)
         except TemplateError as exc:
             raise Unsendable("template_error", f"the chat template refused it: {exc}") from exc
+        return self.fitting(ids)
+
+    def fitting(self, ids: list[int]) -> list[int]:
+        """`ids` when they fit the prompt budget; raises Unsendable (prompt_too_long) when they do not."""
         if len(ids) > self.token_limit:
             note = f" {self.limit_note}" if self.limit_note else ""
             raise Unsendable("prompt_too_long", f"prompt has {len(ids)} tokens, limit is {self.token_limit}{note}")
@@ -108,8 +112,22 @@ def write_rendered(prompts_path: Path, prompts_sha256: str, render_key: str, ids
         raise
 
 
-def read_rendered(prompts_path: Path, render_key: str) -> list[list[int]] | None:
-    """The shard's rendered ids, one list per prompt line; None when there is no cache made for these prompts."""
+class RenderedIds:
+    """A shard's rendered ids, one row per prompt line, kept in Arrow (4 bytes a token) until a row is asked for."""
+
+    def __init__(self, column: pa.ChunkedArray) -> None:
+        self._column = column.combine_chunks()
+
+    def __len__(self) -> int:
+        return len(self._column)
+
+    def __getitem__(self, row: int) -> list[int]:
+        ids: list[int] = self._column[row].values.to_pylist()
+        return ids
+
+
+def read_rendered(prompts_path: Path, render_key: str) -> RenderedIds | None:
+    """The shard's rendered ids, one row per prompt line; None when there is no cache made for these prompts."""
     path = rendered_path(prompts_path)
     if not path.is_file():
         return None
@@ -126,8 +144,7 @@ def read_rendered(prompts_path: Path, render_key: str) -> list[list[int]] | None
     ):
         log.info("%s: made for other prompts or another model; rendering instead", path)
         return None
-    ids: list[list[int]] = table.column("input_ids").to_pylist()
-    return ids
+    return RenderedIds(table.column("input_ids"))
 
 
 def _metadata(path: Path) -> dict[bytes, bytes] | None:

@@ -240,7 +240,7 @@ def generate_shard(
             try:
                 assert dispatcher is not None  # unsettled requests exist only with servers (checked above)
                 with dispatcher.turn((shard_id, row)):  # prepared in plan order, like the queue lets them in
-                    ids = rendered[row] if rendered is not None else prepare(prompt.messages)
+                    ids = prepare.fitting(rendered[row]) if rendered is not None else prepare(prompt.messages)
             except Unsendable as exc:
                 rejects.write(_reject(prompt, key, exc.reason, exc.detail).to_json())
                 settled_unsent()

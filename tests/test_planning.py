@@ -295,7 +295,9 @@ def test_planning_writes_each_shard_s_render_and_a_stale_one_is_not_used(tmp_pat
     for shard_id in plan.shard_ids:
         path = layout.shard_prompts(shard_id)
         prompts = [Prompt.from_json(line) for line in path.read_text().splitlines()]
-        assert read_rendered(path, key) == [chat.prompt_ids(p.messages) for p in prompts]
+        cache = read_rendered(path, key)
+        assert cache is not None and len(cache) == len(prompts)
+        assert [cache[i] for i in range(len(prompts))] == [chat.prompt_ids(p.messages) for p in prompts]
     assert read_rendered(layout.shard_prompts(0), key.replace("thinking=True", "thinking=False")) is None
     path = layout.shard_prompts(1)
     path.write_text(path.read_text().replace("question 3", "question three"))  # edited after planning
