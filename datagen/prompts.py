@@ -194,15 +194,9 @@ def _to_prompt(
             location=where,
         )
     seen.add(prompt_id)
-    return Prompt(
-        prompt_id=prompt_id,
-        source=label,
-        row=row,
-        messages=messages,
-        category=category,
-        location=where,
-        input_ids=input_ids,
-    )
+    prompt = Prompt(prompt_id=prompt_id, source=label, row=row, messages=messages, category=category, location=where)
+    prompt.input_ids = input_ids  # the render its id came from: planning keeps it for generation
+    return prompt
 
 
 # ---------------------------------------------------------------------------------------------------------------
