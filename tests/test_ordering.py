@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from array import array
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,14 @@ def test_long_first_orders_by_prediction_keeps_ties_and_passes_rejects(tmp_path:
     assert [p.category for p in order] == ["hard"] * 4 + ["easy"] * 4 + [None] * 4
     assert [p.row for p in order] == [2, 5, 8, 11, 1, 4, 7, 10, 0, 3, 6, 9]  # ties keep input order
     assert not (tmp_path / "spill-b").exists()  # spill runs are removed
+
+
+def test_a_spilled_sort_keeps_each_prompt_s_rendered_ids(tmp_path: Path) -> None:
+    prompts = [_prompt("code", i) for i in range(7)]
+    for i, p in enumerate(prompts):
+        p.input_ids = array("i", [248045, i, 70000 + i, 248046])  # planning writes these beside the shard
+    spilled = [p for p in long_first(prompts, _model(), tmp_path / "spill", run=3) if isinstance(p, Prompt)]
+    assert {p.row: list(p.input_ids or []) for p in spilled} == {i: [248045, i, 70000 + i, 248046] for i in range(7)}
 
 
 def test_planning_writes_shards_longest_expected_first(tmp_path: Path) -> None:
