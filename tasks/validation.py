@@ -89,7 +89,7 @@ def _parse(line: str) -> Completion:
         raise MalformedRecord("output_ids holds non-integers", raw)
     try:
         return Completion(**raw)
-    except TypeError as exc:  # unknown keys
+    except (TypeError, ValueError) as exc:  # unknown keys; messages that are not Messages
         raise MalformedRecord(str(exc), raw) from exc
 
 

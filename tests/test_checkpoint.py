@@ -25,7 +25,7 @@ from tasks.planning import ShardPlan, plan_shards
 from tasks.selection import SelectionReport
 from tasks.tokenization import StreamingTokenizer
 from tasks.validation import Completion as ValidatedCompletion
-from tasks.validation import count_reject_reasons, iter_in_plan_order, iter_jsonl_completions
+from tasks.validation import MalformedRecord, count_reject_reasons, iter_in_plan_order, iter_jsonl_completions
 
 
 def completion(i: int, key: str | None = None, source: str = "s") -> Completion:
@@ -155,3 +155,13 @@ def test_message_json_round_trip_and_old_files_load_unchanged() -> None:
     assert Completion.from_json(c.to_json()) == c
     with pytest.raises(ValueError, match="role"):
         Message.from_dict({"role": "critic", "content": "?"})
+
+
+def test_a_completion_whose_messages_are_not_messages_is_a_malformed_record(tmp_path: Path) -> None:
+    row = json.loads(completion(0).to_json())
+    row["messages"] = [{"role": "critic", "content": "?"}]
+    path = tmp_path / "shard-00000.completions.jsonl"
+    path.write_text(completion(1).to_json() + "\n" + json.dumps(row) + "\n")
+    items = [item for _, item in iter_jsonl_completions(path)]
+    assert isinstance(items[0], ValidatedCompletion)
+    assert isinstance(items[1], MalformedRecord) and "role" in str(items[1])
