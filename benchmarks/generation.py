@@ -45,9 +45,10 @@ import httpx
 from datagen.chat import ChatTokenizer
 from datagen.endpoints import ServerEndpoint
 from datagen.engine.dispatcher import Dispatcher
+from datagen.identity import prompt_id_from_messages
 from datagen.layout import RunLayout
 from datagen.model_fixture import ensure_model_dir
-from datagen.records import Prompt, prompt_id_for
+from datagen.records import Prompt
 from datagen.runspec import RunSpec, SamplingSpec
 from datagen.standin.knobs import Knobs
 from datagen.standin.synthetic import SyntheticModel
@@ -244,7 +245,7 @@ def _simple_prompts(n_prompts: int, tag: str) -> Iterator[Prompt]:
     """Short prompts, generated as they are written (the memory runs must not hold them)."""
     for n in range(n_prompts):
         messages = [{"role": "user", "content": f"[{tag}] Problem {n}: explain step by step why {n} * 3 = {n * 3}."}]
-        yield Prompt(prompt_id_for(tag, messages), tag, n, messages)
+        yield Prompt(prompt_id_from_messages(tag, messages), tag, n, messages)
 
 
 def _categorized_prompts(
@@ -261,7 +262,7 @@ def _categorized_prompts(
         ids = chat.prompt_ids(messages, True)
         length = len(synthetic.plan(ids, max_new_tokens=max_new_tokens).ids)
         category = next(name for name, lo, hi in BANDS if lo <= length < hi)
-        prompt = Prompt(prompt_id_for("bench", messages), "bench", n, messages, category=category)
+        prompt = Prompt(prompt_id_from_messages("bench", messages), "bench", n, messages, category=category)
         prompts.append(prompt)
         lengths[prompt.prompt_id] = length
     return prompts, lengths

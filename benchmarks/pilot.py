@@ -202,9 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         "projected_wall_s_full_set": projection.projection["wall_s"],
         "long_first_wall_s": long_first["wall_s"],
         "full_set_wall_rel_error": (projection.projection["wall_s"] - long_first["wall_s"]) / long_first["wall_s"],
-        "projected_wall_s_fifo": projection.projection["wall_s_fifo"],
+        "projected_wall_s_fifo": projection.projection["wall_s_source"],
         "fifo_wall_s": fifo["wall_s"],
-        "fifo_wall_rel_error": (projection.projection["wall_s_fifo"] - fifo["wall_s"]) / fifo["wall_s"],
+        "fifo_wall_rel_error": (projection.projection["wall_s_source"] - fifo["wall_s"]) / fifo["wall_s"],
         "utilization_fifo": fifo["output_tokens"] / fifo["wall_s"] / ideal,
         "utilization_long_first": long_first["output_tokens"] / long_first["wall_s"] / ideal,
         "reused_from_pilot": reused.model_dump(),
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         f"({report['wall_rel_error']:+.1%})\n"
         f"wall (full set, long-first): projected {projection.projection['wall_s']:.1f}s "
         f"actual {long_first['wall_s']:.1f}s ({report['full_set_wall_rel_error']:+.1%})\n"
-        f"wall (full set, FIFO): projected {projection.projection['wall_s_fifo']:.1f}s actual {fifo['wall_s']:.1f}s "
+        f"wall (full set, FIFO): projected {projection.projection['wall_s_source']:.1f}s actual {fifo['wall_s']:.1f}s "
         f"({report['fifo_wall_rel_error']:+.1%})\n"
         f"utilization: FIFO {report['utilization_fifo']:.1%} ({fifo['wall_s']:.1f}s), "
         f"long-first {report['utilization_long_first']:.1%} ({long_first['wall_s']:.1f}s); ideal {ideal:.0f} tok/s"

@@ -24,8 +24,9 @@ from pathlib import Path
 import tokenizers
 
 from datagen.chat import IM_END_ID, ChatTokenizer
+from datagen.identity import prompt_id_from_messages
 from datagen.model_fixture import ensure_model_dir
-from datagen.records import Completion, Message, prompt_id_for
+from datagen.records import Completion, Message
 from tasks.tokenization import tokenize_accepted
 
 __all__ = ["main", "run_benchmark", "synthesize"]
@@ -78,7 +79,7 @@ def synthesize(chat: ChatTokenizer, samples: int, mean_tokens: int, seed: int = 
     prompt_ids = chat.encode_batch([chat.render(m, True) for m in messages_list])
     out: list[Completion] = []
     for i, (messages, text, ids, pids) in enumerate(zip(messages_list, texts, out_ids, prompt_ids, strict=True)):
-        pid = prompt_id_for("bench", messages)
+        pid = prompt_id_from_messages("bench", messages)
         full = [*ids, IM_END_ID]
         out.append(Completion(pid, "bench", i, messages, f"rk-{pid}", len(pids), full, text, "stop", len(full)))
     return out

@@ -6,11 +6,16 @@ import functools
 import hashlib
 import os
 import sys
+from collections.abc import Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from datagen.records import Message
+
+# What the template renders: typed messages, or raw dicts passed to it as they are (the template is the judge
+# of what it accepts, e.g. in the conformance tests of its error messages).
+TemplateMessages = Sequence[Message | Mapping[str, Any]]
 
 __all__ = [
     "ENDOFTEXT_ID",
@@ -20,6 +25,7 @@ __all__ = [
     "THINK_START_ID",
     "ChatTokenizer",
     "TemplateError",
+    "TemplateMessages",
 ]
 
 ENDOFTEXT_ID = 248044
@@ -115,18 +121,18 @@ class ChatTokenizer:
         ]
         return _sha(*parts, self.chat_template.encode("utf-8"))
 
-    def render(self, messages: list[Message], enable_thinking: bool = True) -> str:
+    def render(self, messages: TemplateMessages, enable_thinking: bool = True) -> str:
         """The prompt text for generating the next assistant turn (generation prompt included)."""
         return self._apply(messages, add_generation_prompt=True, enable_thinking=enable_thinking)
 
-    def render_conversation(self, messages: list[Message], enable_thinking: bool = True) -> str:
+    def render_conversation(self, messages: TemplateMessages, enable_thinking: bool = True) -> str:
         """A whole conversation (ending with an assistant turn), without a generation prompt."""
         return self._apply(messages, add_generation_prompt=False, enable_thinking=enable_thinking)
 
-    def _apply(self, messages: list[Message], *, add_generation_prompt: bool, enable_thinking: bool) -> str:
+    def _apply(self, messages: TemplateMessages, *, add_generation_prompt: bool, enable_thinking: bool) -> str:
         try:
             text = self._hf.apply_chat_template(
-                messages,
+                [m.to_dict() if isinstance(m, Message) else dict(m) for m in messages],
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 enable_thinking=enable_thinking,
@@ -136,7 +142,7 @@ class ChatTokenizer:
         assert isinstance(text, str)
         return text
 
-    def prompt_ids(self, messages: list[Message], enable_thinking: bool = True) -> list[int]:
+    def prompt_ids(self, messages: TemplateMessages, enable_thinking: bool = True) -> list[int]:
         """Token ids of the rendered prompt."""
         return self.encode(self.render(messages, enable_thinking))
 
@@ -174,7 +180,7 @@ class ChatTokenizer:
         Needs no tokenizing: every token holds at most `max_token_bytes` bytes, so more characters than
         token_limit x max_token_bytes are more tokens than the limit whatever the template does around them.
         """
-        chars = sum(len(m["content"].strip()) for m in messages if isinstance(m.get("content"), str))
+        chars = sum(len(m.text.strip()) for m in messages)
         return chars if chars > token_limit * self.max_token_bytes else None
 
     @property

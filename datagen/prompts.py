@@ -24,11 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from datagen.chat import ChatTokenizer, TemplateError
-from datagen.records import Message, Prompt, Reject, prompt_id_for, prompt_id_from_ids
-from datagen.runspec import PromptSource, RunSpec
+from datagen.identity import PromptIdentity, prompt_id_from_messages
+from datagen.preparation import Unsendable
+from datagen.records import Message, Prompt, Reject, Role
+from datagen.runspec import PromptSource
 
-__all__ = ["LOAD_REJECT_REASONS", "LOCAL_SUFFIXES", "PromptIdentity", "PromptSourceError", "iter_prompts"]
+__all__ = ["LOAD_REJECT_REASONS", "LOCAL_SUFFIXES", "PromptSourceError", "iter_prompts"]
 
 log = logging.getLogger(__name__)
 
@@ -84,13 +85,8 @@ class PromptSourceError(ValueError):
     """A prompt source cannot be read at all (missing path, unsupported file type, dataset not loadable)."""
 
 
-class _RowError(Exception):
-    """One row is not a usable prompt; becomes a load `Reject` with this reason."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
+class _RowError(Unsendable):
+    """One row is not a usable prompt; becomes a load `Reject` with this reason (like an unsendable one)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,54 +114,13 @@ class _Unit:
     rows: Callable[[], Iterator[tuple[str, Any]]]  # yields (where, row or _Unreadable)
 
 
-class PromptIdentity:
-    """Prompt ids from what the model sees: the rendered prompt's token ids under the checkpoint's template.
-
-    Two rows whose messages differ only in what the template normalizes (e.g. whitespace it trims) render
-    to the same ids, so they are one prompt: the later one is a `duplicate_prompt`. Rendering at load also
-    rejects what could never be sent (`template_error`, `prompt_too_long`); a row too large to fit is told
-    by its length alone, before anything is tokenized.
-    """
-
-    def __init__(self, chat: ChatTokenizer, enable_thinking: bool, token_limit: int) -> None:
-        self.chat = chat
-        self.enable_thinking = enable_thinking
-        self.token_limit = token_limit
-
-    @classmethod
-    def for_spec(cls, spec: RunSpec) -> PromptIdentity | None:
-        """The identity a run's prompts get; None (ids from the messages) when its model directory has no tokenizer."""
-        path = Path(spec.model_path)
-        if not (path / "tokenizer.json").is_file():
-            log.warning("%s: no tokenizer, prompt ids are taken from the messages, not the rendered tokens", path)
-            return None
-        # The flow's own instance (ChatTokenizer.shared): one tokenizer load per process.
-        return cls(ChatTokenizer.shared(path), spec.sampling.enable_thinking, spec.prompt_token_limit)
-
-    def __call__(self, source: str, messages: list[Message]) -> str:
-        """The prompt id of `messages` from `source`; raises _RowError for a prompt that cannot be sent."""
-        chars = self.chat.surely_over(messages, self.token_limit)
-        if chars is not None:
-            raise _RowError(
-                "prompt_too_long",
-                f"{chars} characters of content cannot fit in {self.token_limit} prompt tokens (a token holds at "
-                f"most {self.chat.max_token_bytes} bytes); rejected without tokenizing",
-            )
-        try:
-            ids = self.chat.prompt_ids(messages, self.enable_thinking)
-        except TemplateError as exc:
-            raise _RowError("template_error", f"the chat template refused it: {exc}") from exc
-        if len(ids) > self.token_limit:
-            raise _RowError("prompt_too_long", f"prompt has {len(ids)} tokens, limit is {self.token_limit}")
-        return prompt_id_from_ids(source, ids)
-
-
 def iter_prompts(
     sources: list[PromptSource], base_dir: Path | None = None, identity: PromptIdentity | None = None
 ) -> Iterator[Prompt | Reject]:
     """Stream every row of `sources`, in order, as a Prompt or a load Reject (config errors raise first).
 
-    With `identity`, prompt ids (and so duplicates) follow the rendered token ids; without, the messages.
+    With `identity` (every run: datagen.identity), prompt ids (and so duplicates) follow the rendered token ids
+    and each Prompt carries its ids; without, the messages (code with no model at hand, e.g. loader tests).
     """
     # Resolve every source before reading any row: a typo in the third source should fail before
     # the first two have been streamed into shards.
@@ -223,10 +178,13 @@ def _to_prompt(
             raise _RowError("not_an_object", f"row is a JSON {type(raw).__name__}, expected an object")
         messages = _messages(raw, source.format)
         category = _category(raw, source.category_field)
-        prompt_id = identity(label, messages) if identity is not None else prompt_id_for(label, messages)
-    except _RowError as err:
+        if identity is not None:
+            prompt_id, input_ids = identity(label, messages)
+        else:
+            prompt_id, input_ids = prompt_id_from_messages(label, messages), None
+    except Unsendable as err:  # _RowError included
         return Reject(
-            stage="load", reason=err.reason, detail=f"{where}: {err.message}", source=label, row=row, location=where
+            stage="load", reason=err.reason, detail=f"{where}: {err.detail}", source=label, row=row, location=where
         )
     if prompt_id in seen:
         return Reject(
@@ -239,7 +197,9 @@ def _to_prompt(
             location=where,
         )
     seen.add(prompt_id)
-    return Prompt(prompt_id=prompt_id, source=label, row=row, messages=messages, category=category, location=where)
+    prompt = Prompt(prompt_id=prompt_id, source=label, row=row, messages=messages, category=category, location=where)
+    prompt.input_ids = input_ids  # the render its id came from: planning keeps it for generation
+    return prompt
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -678,7 +638,7 @@ def _detect(row: dict[str, Any]) -> str:
 
 
 # A turn before validation: (role, raw content, where in the row, the raw turn for role-specific checks).
-_Turn = tuple[str, Any, str, dict[str, Any]]
+_Turn = tuple[Role, Any, str, dict[str, Any]]
 
 
 def _turns(row: dict[str, Any], field: str, keys: tuple[str, str], alt_keys: tuple[str, str] | None) -> list[_Turn]:
@@ -708,7 +668,7 @@ def _turns(row: dict[str, Any], field: str, keys: tuple[str, str], alt_keys: tup
     return turns
 
 
-def _role(speaker: str, label: str) -> str:
+def _role(speaker: str, label: str) -> Role:
     name = speaker.strip().lower()
     if name in _USER_ROLES:
         return "user"
@@ -769,13 +729,13 @@ def _conversation(turns: list[_Turn]) -> list[Message]:
             # what apply_chat_template makes of the messages as given.
             reason = "empty_user_content" if role == "user" else "empty_assistant_content"
             raise _RowError(reason, f"{label} is empty")
-        messages.append({"role": role, "content": text})
-    if not any(m["role"] == "user" for m in messages):
+        messages.append(Message(role=role, content=text))
+    if not any(m.role == "user" for m in messages):
         raise _RowError("no_user_turn", "conversation has no user turn")
-    if messages[-1]["role"] != "user":
+    if messages[-1].role != "user":
         raise _RowError(
             "last_turn_not_user",
-            f"after dropping one trailing assistant reply the last turn is {messages[-1]['role']!r}",
+            f"after dropping one trailing assistant reply the last turn is {messages[-1].role!r}",
         )
     return messages
 

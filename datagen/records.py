@@ -7,9 +7,9 @@ pass only references (URIs, counts, checksums) to them.
 
 from __future__ import annotations
 
-import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from array import array
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 import pyarrow as pa
@@ -19,32 +19,116 @@ __all__ = [
     "REJECT_SCHEMA",
     "TOKEN_ROW_SCHEMA",
     "Completion",
+    "ContentPart",
     "Message",
     "Prompt",
     "Reject",
     "RejectStage",
+    "Role",
     "TokenRow",
-    "prompt_id_for",
-    "prompt_id_from_ids",
+    "ToolCall",
 ]
 
-Message = dict[str, str]  # {"role": "system"|"user"|"assistant", "content": str}
 RejectStage = Literal["load", "generate", "validate", "tokenize"]
+Role = Literal["system", "user", "assistant", "tool"]
+_ROLES: frozenset[str] = frozenset({"system", "user", "assistant", "tool"})
+# One part of list content, as OpenAI writes it: {"type": "text", "text": ...}, {"type": "image_url", ...}.
+ContentPart = dict[str, Any]
 
 
-def prompt_id_for(source: str, messages: list[Message]) -> str:
-    """Id of a prompt without a tokenizer: sha256 over its source label and its messages (24 hex chars).
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One function call an assistant turn makes (OpenAI's `tool_calls[i]`); arguments as the row gives them."""
 
-    Runs use `prompt_id_from_ids` (through datagen.prompts.PromptIdentity) whenever the model is at hand.
+    name: str
+    arguments: dict[str, Any] | str  # the Qwen templates render a dict's items; OpenAI rows carry a JSON string
+    id: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """OpenAI's shape, which the chat templates read (`tool_call.function.name`)."""
+        out: dict[str, Any] = {"type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        if self.id is not None:
+            out["id"] = self.id
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ToolCall:
+        """From OpenAI's shape (`{"function": {"name", "arguments"}}`) or a flat `{"name", "arguments"}`."""
+        fn = raw.get("function", raw)
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"tool call without a function name: {raw!r}")
+        arguments = fn.get("arguments", {})
+        if not isinstance(arguments, dict | str):
+            raise ValueError(f"tool call {fn['name']!r}: arguments must be an object or a JSON string")
+        call_id = raw.get("id")
+        return cls(name=fn["name"], arguments=arguments, id=call_id if isinstance(call_id, str) else None)
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One turn of a conversation, in the shape chat templates and trainers read (OpenAI's, plus reasoning).
+
+    Serialized with only the fields that are set, so a plain turn stays `{"role": ..., "content": ...}`: prompt
+    and checkpoint files written before this type existed read back unchanged, and write back byte for byte.
     """
-    payload = json.dumps([source, [[m["role"], m["content"]] for m in messages]], ensure_ascii=False)
-    return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:24]
+
+    role: Role
+    content: str | list[ContentPart]
+    reasoning_content: str | None = None  # an assistant turn's thinking (SpecForge's and the Qwen templates' key)
+    tool_calls: tuple[ToolCall, ...] | None = None
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    name: str | None = None  # a tool turn: the function that answered
+
+    @property
+    def text(self) -> str:
+        """The content as text: list content's text parts joined as the chat templates join them (no separator)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p["text"] for p in self.content if p.get("type", "text") == "text" and "text" in p)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON / chat-template form: role and content, then each optional field only when set."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
+        if self.tool_calls is not None:
+            out["tool_calls"] = [c.to_dict() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Message:
+        """The inverse of to_dict (also reads the `{"role", "content"}` dicts older files hold)."""
+        role = raw.get("role")
+        if role not in _ROLES:
+            raise ValueError(f"message role must be one of {sorted(_ROLES)}, got {role!r}")
+        content = raw.get("content")
+        if not isinstance(content, str | list):
+            raise ValueError(f"message content must be a string or a list of parts, got {type(content).__name__}")
+        calls = raw.get("tool_calls")
+        return cls(
+            role=role,
+            content=content,
+            reasoning_content=raw.get("reasoning_content"),
+            tool_calls=tuple(ToolCall.from_dict(c) for c in calls) if calls is not None else None,
+            tool_call_id=raw.get("tool_call_id"),
+            name=raw.get("name"),
+        )
 
 
-def prompt_id_from_ids(source: str, token_ids: list[int]) -> str:
-    """Id of a prompt as the model sees it: sha256 over its source label and its rendered token ids."""
-    payload = json.dumps([source, token_ids], separators=(",", ":"))
-    return hashlib.sha256(payload.encode("ascii")).hexdigest()[:24]
+def _messages_in(items: list[Any]) -> list[Message]:
+    """Messages from what a record was built or loaded with: Message objects or their dict form."""
+    return [m if isinstance(m, Message) else Message.from_dict(m) for m in items]
+
+
+def _record_json(record: Any, skip: frozenset[str] = frozenset()) -> str:
+    """A record with messages as one JSON line: messages in their dict form, fields in declaration order."""
+    body = {f.name: getattr(record, f.name) for f in fields(record) if f.name not in skip}
+    body["messages"] = [m.to_dict() for m in body["messages"]]
+    return json.dumps(body, ensure_ascii=False)
 
 
 @dataclass(slots=True)
@@ -59,9 +143,15 @@ class Prompt:
     # Where the row is, to find it by hand: "file:line" (1-based, blank lines counted) for JSON lines and
     # JSON lists, "file:row N" for parquet, "dataset[split]:row N" for `datasets` rows (N 0-based).
     location: str | None = None
+    # The rendered prompt's token ids when the loader rendered it (for its id): held in memory only, never in
+    # the JSON line; planning writes them beside the shard (datagen.preparation) so generation need not render.
+    input_ids: array[int] | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.messages = _messages_in(self.messages)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), ensure_ascii=False)
+        return _record_json(self, skip=frozenset({"input_ids"}))
 
     @classmethod
     def from_json(cls, line: str) -> Prompt:
@@ -125,8 +215,11 @@ class Completion:
     meta: dict[str, Any] = field(default_factory=dict)
     location: str | None = None  # the input row (see Prompt.location)
 
+    def __post_init__(self) -> None:
+        self.messages = _messages_in(self.messages)
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self), ensure_ascii=False)
+        return _record_json(self)
 
     @classmethod
     def from_json(cls, line: str) -> Completion:

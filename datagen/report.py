@@ -7,7 +7,6 @@ with no image hosting and no plotting dependency.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import threading
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any, cast
 from uuid import UUID
 
+from datagen.checkpoint import read_rows
 from datagen.engine.dispatcher import Dispatcher, DispatcherStats
 
 __all__ = [
@@ -384,15 +384,7 @@ class ProgressReporter:
 
 def completion_lengths(paths: Iterable[Path]) -> list[int]:
     """completion_tokens of every completion in the shards' checkpoint files."""
-    lengths: list[int] = []
-    for path in paths:
-        if not path.exists():
-            continue
-        with open(path, "rb") as f:
-            for line in f:
-                if line.strip():
-                    lengths.append(int(json.loads(line)["completion_tokens"]))
-    return lengths
+    return [int(row["completion_tokens"]) for path in paths for row in read_rows(path)]
 
 
 def length_histogram(lengths: Sequence[int], bins: int = 10) -> list[tuple[str, float]]:

@@ -7,8 +7,6 @@ references (paths, counts, checksums), never the records themselves.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from datetime import UTC, datetime
 from pathlib import Path
@@ -36,6 +34,7 @@ from datagen.checks import CheckResult
 from datagen.dataset_card import Lineage, write_dataset_card
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.launcher import ServerFleet
+from datagen.identity import generation_cache_key
 from datagen.layout import RunLayout
 from datagen.runspec import AUTO_NAMESPACE, QualityGate, RunSpec
 from datagen.settings import Settings
@@ -69,13 +68,15 @@ class EnvironmentCheckFailed(RuntimeError):
 
 
 def _generation_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
-    """Content key of a shard's generation: survives new flow runs (unlike Prefect's default policy)."""
+    """Content key of a shard's generation (datagen.identity): survives new flow runs."""
     spec: RunSpec = parameters["spec"]
-    request_params = json.dumps(
-        {"sampling": spec.sampling.model_dump(), "fingerprint": parameters["model_fingerprint"]}, sort_keys=True
+    return generation_cache_key(
+        spec.namespace,
+        parameters["plan_sha256"],
+        spec.sampling,
+        parameters["model_fingerprint"],
+        parameters["shard_id"],
     )
-    digest = hashlib.sha256(request_params.encode()).hexdigest()[:16]
-    return f"generate-{spec.namespace}-{parameters['plan_sha256'][:16]}-{digest}-shard-{parameters['shard_id']:05d}"
 
 
 def _check_environment(settings: Settings, spec: RunSpec, store: ObjectStore) -> list[CheckResult]:

@@ -41,8 +41,8 @@ import datagen
 from datagen import alerts, paths
 from datagen.chat import ChatTokenizer
 from datagen.engine.dispatcher import Dispatcher
+from datagen.identity import RequestKeys
 from datagen.layout import RunLayout
-from datagen.records import Prompt
 from datagen.report import quiet_per_shard_completions, run_name
 from datagen.runspec import ExchangeSpec, MultiBoxSpec, RunSpec
 from datagen.settings import Settings
@@ -186,13 +186,8 @@ def _preflight(store: ObjectStore, namespace: str) -> None:
 
 
 def _expected_keys(layout: RunLayout, shard_id: int, spec: RunSpec, chat: ChatTokenizer) -> set[str]:
-    keys = set()
-    with open(layout.shard_prompts(shard_id), encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                prompt = Prompt.from_json(line)
-                keys.add(generation.request_key(prompt.prompt_id, spec.sampling, chat.fingerprint, chat.template_hash))
-    return keys
+    key_of = RequestKeys(spec.sampling, chat)
+    return {key_of(prompt.prompt_id) for prompt in generation.read_prompts(layout.shard_prompts(shard_id))}
 
 
 def _collect(

@@ -1,10 +1,10 @@
 """Generation stage for one shard: prompts in, completions and reject rows appended to a checkpoint.
 
-The shard's two checkpoint files (`RunLayout.shard_completions` / `shard_rejects`, JSON lines of `Completion`
-and `Reject`) are an exactly-once ledger keyed by `request_key`: a rerun reads them, skips every request
-already settled and sends only the rest. Results are written to the OS as they arrive and fsync'd at least
-every `flush_interval_s`, so a crash loses at most the requests in flight. The stage returns a small
-`ShardResult` (paths, counts, checksum), never the data.
+The shard's two checkpoint files (datagen.checkpoint: JSON lines of `Completion` and `Reject`) are an
+exactly-once ledger keyed by `request_key`: a rerun reads them, skips every request already settled and sends
+only the rest. Results are written to the OS as they arrive and fsync'd at least every `flush_interval_s`, so a
+crash loses at most the requests in flight. Token ids come from planning's render (datagen.preparation), so a
+prompt is rendered once per run. The stage returns a small `ShardResult` (paths, counts, checksum), never the data.
 
 A shard keeps no window of its own: it hands requests to the box's one `Dispatcher`, whose `submit` blocks
 while the dispatcher's queue is full (a limit that follows the servers' live capacity), and writes results
@@ -14,31 +14,30 @@ while it waits.
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
-import json
 import logging
-import os
 import queue
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.chat import ChatTokenizer, TemplateError
+from datagen.chat import ChatTokenizer
+from datagen.checkpoint import CheckpointAppender, CheckpointError, read_rows, settled_keys, summarize
 from datagen.engine.client import GenerateResult, ProtocolError, RequestRejected, sampling_params_for
 from datagen.engine.dispatcher import Dispatcher, GenerateJob, SubmitTimeout
+from datagen.identity import RequestKeys, preparer_for
 from datagen.layout import RunLayout
+from datagen.preparation import Unsendable, read_rendered
 from datagen.records import Completion, Prompt, Reject
-from datagen.runspec import RunSpec, SamplingSpec
+from datagen.runspec import RunSpec
 
 __all__ = [
     "CheckpointError",
     "GenerationIncomplete",
     "ShardResult",
     "generate_shard",
-    "request_key",
+    "read_prompts",
     "unsettled_requests",
 ]
 
@@ -46,10 +45,6 @@ logger = logging.getLogger("datagen.generation")
 
 # How long a shard worker waits for room in the dispatcher's queue before it writes what has finished meanwhile.
 _SUBMIT_POLL_S = 0.25
-
-
-class CheckpointError(RuntimeError):
-    """A shard's checkpoint does not belong to this shard, spec or model, or is corrupt."""
 
 
 class GenerationIncomplete(RuntimeError):
@@ -75,66 +70,8 @@ class ShardResult(BaseModel):
     completions_sha256: str
 
 
-def request_key(prompt_id: str, sampling: SamplingSpec, model_fingerprint: str, template_hash: str) -> str:
-    """Content key of one request: sha256 over prompt id, sampling, model fingerprint and chat template."""
-    payload = {
-        "prompt_id": prompt_id,
-        "sampling": sampling.model_dump(mode="json"),
-        "model": model_fingerprint,
-        "template": template_hash,
-    }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()
-
-
-def _read_jsonl(path: Path, *, repair: bool) -> Iterator[dict[str, Any]]:
-    """Rows of a JSON-lines file; a torn last line (crash mid-write) is cut off when `repair`."""
-    if not path.exists():
-        return
-    good_end = 0
-    with open(path, "rb") as f:
-        lines = f.read().split(b"\n")
-    # split() leaves b"" after a final newline; anything else last is a line without its newline.
-    for i, raw in enumerate(lines):
-        last = i == len(lines) - 1
-        if last and raw == b"":
-            break
-        try:
-            row = json.loads(raw)
-            if not isinstance(row, dict):
-                raise ValueError("not an object")
-        except ValueError as exc:
-            if last and repair:
-                logger.warning("%s: dropping a torn last line (%d bytes) left by a crash", path, len(raw))
-                with open(path, "r+b") as f:
-                    f.truncate(good_end)
-                    os.fsync(f.fileno())
-                return
-            raise CheckpointError(f"{path}: line {i + 1} is not a JSON object: {exc}") from exc
-        if last:
-            # A complete record without its newline: finish the line so appends start clean.
-            if repair:
-                with open(path, "ab") as f:
-                    f.write(b"\n")
-            yield row
-            return
-        good_end += len(raw) + 1
-        yield row
-
-
-def _ledger(path: Path, what: str) -> set[str]:
-    """Request keys settled in one checkpoint file."""
-    keys: set[str] = set()
-    for row in _read_jsonl(path, repair=True):
-        key = row.get("request_key")
-        if not isinstance(key, str):
-            raise CheckpointError(f"{path}: a {what} row has no request_key")
-        if key in keys:
-            raise CheckpointError(f"{path}: request {key[:12]}… appears twice")
-        keys.add(key)
-    return keys
-
-
-def _read_prompts(path: Path) -> Iterator[Prompt]:
+def read_prompts(path: Path) -> Iterator[Prompt]:
+    """The prompts of a shard's prompts file, in plan order."""
     if not path.exists():
         raise FileNotFoundError(f"{path}: shard prompts file missing")
     with open(path, encoding="utf-8") as f:
@@ -144,38 +81,6 @@ def _read_prompts(path: Path) -> Iterator[Prompt]:
                     yield Prompt.from_json(line)
                 except (ValueError, TypeError) as exc:
                     raise CheckpointError(f"{path}: line {n} is not a Prompt: {exc}") from exc
-
-
-class _Appender:
-    """Appends JSON lines, each handed to the OS at once; fsyncs when asked and at least every `interval_s`."""
-
-    def __init__(self, path: Path, interval_s: float) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._f: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
-        self._interval_s = interval_s
-        self._last = time.monotonic()
-        self._dirty = False
-
-    def write(self, line: str) -> None:
-        # Flushed per line: a killed process (SIGKILL, OOM) loses nothing it recorded, only a machine crash
-        # can lose the last interval's lines. One write syscall per completion is noise next to the request.
-        self._f.write(line + "\n")
-        self._f.flush()
-        self._dirty = True
-
-    def sync_if_due(self) -> None:
-        if self._dirty and time.monotonic() - self._last >= self._interval_s:
-            self.sync()
-
-    def sync(self) -> None:
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._dirty = False
-        self._last = time.monotonic()
-
-    def close(self) -> None:
-        self.sync()
-        self._f.close()
 
 
 def _reject(prompt: Prompt, key: str, reason: str, detail: str) -> Reject:
@@ -220,34 +125,11 @@ def _completion(prompt: Prompt, key: str, sent_tokens: int, result: GenerateResu
     )
 
 
-def _summarize(path: Path) -> tuple[int, int, str]:
-    """Rows, output tokens and sha256 of a completions file."""
-    digest = hashlib.sha256()
-    rows = tokens = 0
-    if path.exists():
-        with open(path, "rb") as f:
-            for line in f:
-                digest.update(line)
-                if line.strip():
-                    rows += 1
-                    tokens += int(json.loads(line)["completion_tokens"])
-    return rows, tokens, digest.hexdigest()
-
-
-def _count_rows(path: Path) -> int:
-    if not path.exists():
-        return 0
-    with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip())
-
-
 def unsettled_requests(shard_id: int, layout: RunLayout, chat: ChatTokenizer, spec: RunSpec) -> int:
     """Requests of the shard its checkpoint has no result for: 0 means the shard needs no server."""
-    keys = {
-        request_key(p.prompt_id, spec.sampling, chat.fingerprint, chat.template_hash)
-        for p in _read_prompts(layout.shard_prompts(shard_id))
-    }
-    settled = _ledger(layout.shard_completions(shard_id), "completion") | _ledger(
+    key_of = RequestKeys(spec.sampling, chat)
+    keys = {key_of(p.prompt_id) for p in read_prompts(layout.shard_prompts(shard_id))}
+    settled = settled_keys(layout.shard_completions(shard_id), "completion") | settled_keys(
         layout.shard_rejects(shard_id), "reject"
     )
     return len(keys - settled)
@@ -267,19 +149,17 @@ def generate_shard(
     """
     prompts_path = layout.shard_prompts(shard_id)
     completions_path, rejects_path = layout.shard_completions(shard_id), layout.shard_rejects(shard_id)
-    fingerprint, template_hash = chat.fingerprint, chat.template_hash
-
-    def key_of(p: Prompt) -> str:
-        return request_key(p.prompt_id, spec.sampling, fingerprint, template_hash)
+    key_of = RequestKeys(spec.sampling, chat)
 
     # Pass 1 (keys only, no tokenization): what the shard holds and what its checkpoint already settled.
     shard_keys: set[str] = set()
     duplicates = 0
-    for prompt in _read_prompts(prompts_path):
-        key = key_of(prompt)
+    for prompt in read_prompts(prompts_path):
+        key = key_of(prompt.prompt_id)
         duplicates += key in shard_keys
         shard_keys.add(key)
-    done_completed, done_rejected = _ledger(completions_path, "completion"), _ledger(rejects_path, "reject")
+    done_completed = settled_keys(completions_path, "completion")
+    done_rejected = settled_keys(rejects_path, "reject")
     settled = done_completed | done_rejected
     foreign = settled - shard_keys
     if done_completed & done_rejected or foreign:
@@ -301,14 +181,17 @@ def generate_shard(
         dispatcher.add_expected(todo)
 
     sampling = sampling_params_for(spec.sampling)
-    limit = spec.prompt_token_limit
+    prepare = preparer_for(spec, chat)
+    # Planning's render of these prompts (None: render here, e.g. a shard fetched by a box of a multi-box run).
+    rendered = read_rendered(prompts_path, prepare.render_key) if todo else None
     inflight: dict[concurrent.futures.Future[GenerateResult], tuple[Prompt, str, int, int]] = {}
     # Futures land here as they finish (done-callbacks run on the dispatcher's thread; only this one writes).
     finished: queue.SimpleQueue[concurrent.futures.Future[GenerateResult]] = queue.SimpleQueue()
     failures: list[BaseException] = []
     n_sent = 0
     seen: set[str] = set()
-    completions, rejects = _Appender(completions_path, flush_interval_s), _Appender(rejects_path, flush_interval_s)
+    completions = CheckpointAppender(completions_path, flush_interval_s)
+    rejects = CheckpointAppender(rejects_path, flush_interval_s)
 
     def harvest(timeout: float) -> None:
         """Write every finished result; wait up to `timeout` for the first one when none has finished."""
@@ -349,31 +232,17 @@ def generate_shard(
                 harvest(0)
 
     try:
-        for row, prompt in enumerate(_read_prompts(prompts_path)):
-            key = key_of(prompt)
+        for row, prompt in enumerate(read_prompts(prompts_path)):
+            key = key_of(prompt.prompt_id)
             if key in settled or key in seen:
                 continue
             seen.add(key)
-            chars = chat.surely_over(prompt.messages, limit)
-            if chars is not None:  # told by its length alone: a huge row is never tokenized
-                detail = f"{chars} characters of content cannot fit in {limit} prompt tokens; not tokenized"
-                rejects.write(_reject(prompt, key, "prompt_too_long", detail).to_json())
-                settled_unsent()
-                continue
             try:
                 assert dispatcher is not None  # unsettled requests exist only with servers (checked above)
                 with dispatcher.turn((shard_id, row)):  # prepared in plan order, like the queue lets them in
-                    ids = chat.prompt_ids(prompt.messages, spec.sampling.enable_thinking)
-            except TemplateError as exc:
-                rejects.write(_reject(prompt, key, "template_error", f"chat template refused it: {exc}").to_json())
-                settled_unsent()
-                continue
-            if len(ids) > limit:
-                detail = (
-                    f"prompt has {len(ids)} tokens, limit is {limit} (context_length {spec.context_length}, "
-                    f"max_new_tokens {spec.sampling.max_new_tokens}, max_prompt_tokens {spec.max_prompt_tokens})"
-                )
-                rejects.write(_reject(prompt, key, "prompt_too_long", detail).to_json())
+                    ids = prepare.fitting(rendered[row]) if rendered is not None else prepare(prompt.messages)
+            except Unsendable as exc:
+                rejects.write(_reject(prompt, key, exc.reason, exc.detail).to_json())
                 settled_unsent()
                 continue
             job = GenerateJob(ids, sampling, label=prompt.prompt_id, order=(shard_id, row))  # the plan's order
@@ -396,8 +265,8 @@ def generate_shard(
             f"checkpointed and a retry sends only those. First error: {failures[0]}"
         ) from failures[0]
 
-    n_completed, output_tokens, sha = _summarize(completions_path)
-    n_rejected = _count_rows(rejects_path)
+    n_completed, output_tokens, sha = summarize(completions_path)
+    n_rejected = sum(1 for _ in read_rows(rejects_path))
     if n_completed + n_rejected != len(shard_keys):
         raise CheckpointError(
             f"shard {shard_id}: {n_completed} completed + {n_rejected} rejected != {len(shard_keys)} requests"

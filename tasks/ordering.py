@@ -14,13 +14,15 @@ from __future__ import annotations
 import heapq
 import math
 import shutil
+from array import array
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.prompts import PromptIdentity, iter_prompts
+from datagen.identity import PromptIdentity
+from datagen.prompts import iter_prompts
 from datagen.records import Prompt, Reject
 from datagen.runspec import RunSpec
 from tasks.selection import Items, PromptFilter, SelectionReport, choose, filtered
@@ -43,7 +45,7 @@ SPILL_RUN = 50_000  # prompts held in memory per sorted run; more spill to disk 
 
 def prompt_chars(p: Prompt) -> int:
     """The prompt's length in characters over all its messages."""
-    return sum(len(m["content"]) for m in p.messages)
+    return sum(len(m.text) for m in p.messages)
 
 
 class GroupStat(BaseModel):
@@ -153,8 +155,12 @@ def long_first(items: Iterable[Prompt | Reject], model: LengthModel, spill_dir: 
             return
         if buffer:
             runs.append(_spill(buffer, spill_dir, len(runs)))
-        for _, _, line in heapq.merge(*(_read_run(path) for path in runs)):
-            yield Prompt.from_json(line)
+        for _, _, ids, line in heapq.merge(*(_read_run(path) for path in runs)):
+            prompt = Prompt.from_json(line)
+            if ids:
+                prompt.input_ids = array("i")
+                prompt.input_ids.frombytes(bytes.fromhex(ids))
+            yield prompt
     finally:
         if runs:
             shutil.rmtree(spill_dir, ignore_errors=True)
@@ -175,16 +181,18 @@ def _spill(buffer: list[tuple[float, int, Prompt]], spill_dir: Path, index: int)
     path = spill_dir / f"run-{index:05d}.tsv"
     with open(path, "w", encoding="utf-8") as f:
         for key, seq, prompt in buffer:
-            # repr() of a float round-trips exactly; JSON never holds a raw tab or newline.
-            f.write(f"{key!r}\t{seq}\t{prompt.to_json()}\n")
+            # repr() of a float round-trips exactly; JSON never holds a raw tab or newline. The rendered ids
+            # (not part of a prompt's JSON) travel too, so planning need not render the prompt again.
+            ids = prompt.input_ids.tobytes().hex() if prompt.input_ids is not None else ""
+            f.write(f"{key!r}\t{seq}\t{ids}\t{prompt.to_json()}\n")
     return path
 
 
-def _read_run(path: Path) -> Iterator[tuple[float, int, str]]:
+def _read_run(path: Path) -> Iterator[tuple[float, int, str, str]]:
     with open(path, encoding="utf-8") as f:
         for line in f:
-            key, seq, body = line.rstrip("\n").split("\t", 2)
-            yield float(key), int(seq), body
+            key, seq, ids, body = line.rstrip("\n").split("\t", 3)
+            yield float(key), int(seq), ids, body
 
 
 def run_filter(

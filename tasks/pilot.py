@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import json
 import logging
 import math
 import os
@@ -21,23 +20,25 @@ import random
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.chat import ChatTokenizer
+from datagen.checkpoint import CheckpointLine, append_lines, read_lines, read_rows, settled_keys
 from datagen.endpoints import ServerEndpoint
 from datagen.engine.dispatcher import Dispatcher
+from datagen.identity import PromptIdentity, RequestKeys
 from datagen.layout import RunLayout
-from datagen.prompts import PromptIdentity, iter_prompts
+from datagen.prompts import iter_prompts
 from datagen.quality import ValidationSummary
-from datagen.records import Prompt
+from datagen.records import Message
 from datagen.runspec import RunSpec
-from tasks.generation import request_key
+from tasks.generation import read_prompts
 from tasks.ordering import LengthModel, LengthSample
 from tasks.planning import ShardPlan, plan_shards
 from tasks.selection import SelectionReport, choose, filtered, stratified_sample
@@ -69,6 +70,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+DispatchOrder = Literal["source", "long_first"]  # RunSpec.order's values
 PILOT_JSON = "pilot.json"
 PILOT_MARKDOWN = "pilot.md"
 BYTES_PER_TOKEN = 5  # int32 token id + int8 loss-mask value, uncompressed
@@ -459,13 +461,13 @@ def expand_population(samples: list[tuple[LengthSample, float]], target: int) ->
     return [(pred, s.output_tokens) for (s, pred), c in zip(samples, counts, strict=True) for _ in range(c)]
 
 
-def dispatch_order(items: list[tuple[float, int]], order: str, seed: int = 0) -> list[int]:
-    """Actual lengths in dispatch order: "fifo" (a seeded shuffle) or "long_first" (by predicted length)."""
+def dispatch_order(items: list[tuple[float, int]], order: DispatchOrder, seed: int = 0) -> list[int]:
+    """Actual lengths in dispatch order: RunSpec.order's "source" (a seeded shuffle) or "long_first" (predicted)."""
     shuffled = list(items)
     random.Random(seed).shuffle(shuffled)  # file order mixes the strata; ties of long-first keep it
     if order == "long_first":
         shuffled.sort(key=lambda x: -x[0])
-    elif order != "fifo":
+    elif order != "source":
         raise ValueError(f"unknown order {order!r}")
     return [n for _, n in shuffled]
 
@@ -483,14 +485,6 @@ def _dist(values: list[int]) -> dict[str, float]:
     out.update({f"p{q}": _percentile(v, q) for q in _PERCENTILES})
     out["max"] = v[-1] if v else 0
     return out
-
-
-def _jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    if path.exists():
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    yield json.loads(line)
 
 
 class Projection(BaseModel):
@@ -522,10 +516,10 @@ def project(
     gen_rejects: Counter[str] = Counter()
     samples: list[LengthSample] = []
     for shard_id in plan.shard_ids:
-        for c in _jsonl(layout.shard_completions(shard_id)):
+        for c in read_rows(layout.shard_completions(shard_id)):
             tokens[c["source"]].append(int(c["completion_tokens"]))
             row_tokens[c["source"]].append(int(c["prompt_tokens"]) + int(c["completion_tokens"]))
-            chars = sum(len(m["content"]) for m in c["messages"])
+            chars = sum(len(Message.from_dict(m).text) for m in c["messages"])
             samples.append(
                 LengthSample(
                     source=c["source"],
@@ -534,7 +528,7 @@ def project(
                     output_tokens=int(c["completion_tokens"]),
                 )
             )
-        for r in _jsonl(layout.shard_rejects(shard_id)):
+        for r in read_rows(layout.shard_rejects(shard_id)):
             gen_rejects[r["source"]] += 1
     if not samples:
         raise RuntimeError(f"pilot {pilot.name!r}: no completions to project from (every request was rejected)")
@@ -587,19 +581,21 @@ def project(
     per_server = rate / max(1, int(throughput["servers"]))
     remaining = max(0.0, total_tokens - pilot_tokens)
     walls: dict[str, float] = {}
+    orders: tuple[tuple[str, list[tuple[float, int]], DispatchOrder], ...]
     if "step_base_s" in throughput:
         model = DecodeModel(float(throughput["step_base_s"]), float(throughput["step_per_req_s"]))
         slots = int(throughput["slots_per_server"])
         ramp = float(throughput.get("ramp_s", 0.0))
-        for key, items, order in (
+        orders = (
             ("wall_s", full_items, "long_first"),
-            ("wall_s_fifo", full_items, "fifo"),
+            ("wall_s_source", full_items, "source"),
             ("wall_s_reusing_pilot", rest_items, "long_first"),
-        ):
+        )
+        for key, items, order in orders:
             walls[key] = ramp + simulate_wall(dispatch_order(items, order, pilot.seed), servers, slots, model)
         method = "simulated: server decode model, pilot lengths in dispatch order"
     else:  # no batch model: tokens at the whole-run rate of the pilot
-        walls["wall_s"] = walls["wall_s_fifo"] = total_tokens / (per_server * servers) if per_server > 0 else math.inf
+        walls["wall_s"] = walls["wall_s_source"] = total_tokens / (per_server * servers) if per_server > 0 else math.inf
         walls["wall_s_reusing_pilot"] = remaining / (per_server * servers) if per_server > 0 else math.inf
         method = "tokens / whole-run rate (no server counters)"
     wall = walls["wall_s"]
@@ -629,7 +625,7 @@ def project(
             "wall_s": round(wall, 1),
             "wall_h": wall / 3600,
             "gpu_hours": wall / 3600 * servers,
-            "wall_s_fifo": round(walls["wall_s_fifo"], 1),
+            "wall_s_source": round(walls["wall_s_source"], 1),
             "wall_s_reusing_pilot": round(walls["wall_s_reusing_pilot"], 1),
             "wall_s_saturated_bound": round(bound, 1),
             "tail_s": round(wall - bound, 1),
@@ -658,7 +654,8 @@ def render_projection(p: Projection) -> str:
         f"| throughput per server (measured, {th['method']}) | {th['per_server_tokens_per_s']:,} tok/s |",
         f"| wall time (long-first dispatch) | {pr['wall_h']:,.3f} h ({pr['wall_s']:,} s) |",
         f"| of which beyond the saturated rate (ramp, drain) | {pr.get('tail_s', 0.0):,} s |",
-        f"| wall time in FIFO order | {pr.get('wall_s_fifo', pr['wall_s']):,} s |",
+        # "wall_s_fifo": the key before the order was named as RunSpec.order names it (pilots written then).
+        f"| wall time in source order | {pr.get('wall_s_source', pr.get('wall_s_fifo', pr['wall_s'])):,} s |",
         f"| wall time reusing the pilot's completions | {pr['wall_s_reusing_pilot']:,} s |",
         f"| GPU-hours | {pr['gpu_hours']:,.3f} |",
         f"| reject rate | {pr['reject_rate']:.1%} |",
@@ -691,34 +688,17 @@ class ImportReport(BaseModel):
     imported_completions: int
     imported_rejects: int
     already_present: int = Field(description="Pilot requests the main run's checkpoints already held.")
-    shards_skipped: list[int] = Field(default_factory=list, description="Shards left alone (torn checkpoint line).")
 
 
-def _index(paths: list[Path]) -> dict[str, tuple[Path, int, int]]:
-    """request_key -> (file, offset, length) of every settled request in the given checkpoint files."""
-    index: dict[str, tuple[Path, int, int]] = {}
+def _index(paths: list[Path]) -> dict[str, CheckpointLine]:
+    """request_key -> its committed line, over the given checkpoint files (later files win)."""
+    index: dict[str, CheckpointLine] = {}
     for path in paths:
-        if not path.exists():
-            continue
-        offset = 0
-        with open(path, "rb") as f:
-            for raw in f:
-                if raw.endswith(b"\n") and raw.strip():
-                    key = json.loads(raw).get("request_key")
-                    if isinstance(key, str):
-                        index[key] = (path, offset, len(raw))
-                offset += len(raw)
+        for line in read_lines(path):
+            key = line.row(path).get("request_key")
+            if isinstance(key, str):
+                index[key] = line
     return index
-
-
-def _settled_keys(path: Path) -> set[str] | None:
-    """Request keys in a checkpoint file; None when its last line is torn (generation repairs it, not us)."""
-    if not path.exists():
-        return set()
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        return None
-    return {json.loads(line)["request_key"] for line in data.splitlines() if line.strip()}
 
 
 def import_pilot(
@@ -738,31 +718,25 @@ def import_pilot(
     report = ImportReport(
         pilot_requests=len(completions) + len(rejects), imported_completions=0, imported_rejects=0, already_present=0
     )
+    key_of = RequestKeys(spec.sampling, chat)
     for shard_id in plan.shard_ids:
         comp_path, rej_path = layout.shard_completions(shard_id), layout.shard_rejects(shard_id)
-        done_c, done_r = _settled_keys(comp_path), _settled_keys(rej_path)
-        if done_c is None or done_r is None:
-            report.shards_skipped.append(shard_id)
-            continue
-        settled = done_c | done_r
-        wanted_c: list[tuple[Path, int, int]] = []
-        wanted_r: list[tuple[Path, int, int]] = []
-        with open(layout.shard_prompts(shard_id), encoding="utf-8") as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                prompt = Prompt.from_json(line)
-                key = request_key(prompt.prompt_id, spec.sampling, chat.fingerprint, chat.template_hash)
-                if key in settled:
-                    report.already_present += key in completions or key in rejects
-                    continue
-                if key in completions:
-                    wanted_c.append(completions[key])
-                elif key in rejects:
-                    wanted_r.append(rejects[key])
-                settled.add(key)
-        report.imported_completions += _append(comp_path, wanted_c)
-        report.imported_rejects += _append(rej_path, wanted_r)
+        settled = settled_keys(comp_path, "completion") | settled_keys(rej_path, "reject")
+        wanted_c: list[CheckpointLine] = []
+        wanted_r: list[CheckpointLine] = []
+        for prompt in read_prompts(layout.shard_prompts(shard_id)):
+            key = key_of(prompt.prompt_id)
+            if key in settled:
+                report.already_present += key in completions or key in rejects
+                continue
+            if key in completions:
+                wanted_c.append(completions[key])
+            elif key in rejects:
+                wanted_r.append(rejects[key])
+            settled.add(key)
+        # append_lines cuts a torn tail off first (the checkpoint policy), so a crashed shard is no obstacle.
+        report.imported_completions += append_lines(comp_path, wanted_c)
+        report.imported_rejects += append_lines(rej_path, wanted_r)
     log.info(
         "reused %d completions and %d rejects of the pilot (%d already present)",
         report.imported_completions,
@@ -770,20 +744,6 @@ def import_pilot(
         report.already_present,
     )
     return report
-
-
-def _append(target: Path, lines: list[tuple[Path, int, int]]) -> int:
-    if not lines:
-        return 0
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target, "ab") as out:
-        for source, offset, length in lines:
-            with open(source, "rb") as f:
-                f.seek(offset)
-                out.write(f.read(length))
-        out.flush()
-        os.fsync(out.fileno())
-    return len(lines)
 
 
 def write_projection(layout: RunLayout, projection: Projection) -> Path:

@@ -14,24 +14,27 @@ import logging
 import os
 import re
 import tempfile
+from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from datagen.identity import PromptIdentity
 from datagen.layout import RunLayout
-from datagen.prompts import PromptIdentity, iter_prompts
+from datagen.preparation import rendered_path, write_rendered
+from datagen.prompts import iter_prompts
 from datagen.quality import GateReport, check_load_gate
 from datagen.records import Prompt, Reject
 from datagen.runspec import QualityGate, RunSpec
+from datagen.storage import sha256_file
 
 __all__ = ["ShardEntry", "ShardPlan", "check_plan", "plan_manifest_path", "plan_shards", "read_plan"]
 
 log = logging.getLogger(__name__)
 
 _SHARD_FILE_RE = re.compile(r"^shard-(\d{5,})\.prompts\.jsonl$")
-_HASH_CHUNK = 1 << 20
 
 
 class ShardEntry(BaseModel):
@@ -81,8 +84,10 @@ def plan_shards(
     tasks.ordering); shards are written in the order it yields, which is the dispatch order.
     """
     # Resolves every source first: a config error raises here, before any file is touched.
-    # Prompt ids follow the rendered token ids under the model's template (see PromptIdentity).
-    items = iter_prompts(spec.sources, base_dir, PromptIdentity.for_spec(spec))
+    # Prompt ids follow the rendered token ids under the model's template (see PromptIdentity); the ids it
+    # renders are written beside each shard for generation (render once: datagen.preparation).
+    identity = PromptIdentity.for_spec(spec)
+    items = iter_prompts(spec.sources, base_dir, identity)
     if select is not None:
         items = select(items)
     layout.shards_dir.mkdir(parents=True, exist_ok=True)
@@ -100,6 +105,14 @@ def plan_shards(
     rejects_out = _HashingWriter(layout.load_rejects)
     shard_out: _HashingWriter | None = None
     shard_count = 0
+    shard_ids_rendered: list[array[int] | None] = []
+
+    def commit_shard(out: _HashingWriter) -> None:
+        sha = out.commit(invalidate)
+        shards.append(ShardEntry(shard_id=len(shards), n_prompts=shard_count, sha256=sha))
+        write_rendered(out.target, sha, identity.preparer.render_key, shard_ids_rendered)
+        shard_ids_rendered.clear()
+
     try:
         for item in items:
             if isinstance(item, Reject):
@@ -111,6 +124,7 @@ def plan_shards(
                 shard_out = _HashingWriter(layout.shard_prompts(len(shards)))
                 shard_count = 0
             shard_out.write_line(item.to_json())
+            shard_ids_rendered.append(item.input_ids)
             shard_count += 1
             by_source[item.source] += 1
             if item.category is None:
@@ -118,12 +132,10 @@ def plan_shards(
             else:
                 by_category[item.category] += 1
             if shard_count == spec.shard_size:
-                shards.append(
-                    ShardEntry(shard_id=len(shards), n_prompts=shard_count, sha256=shard_out.commit(invalidate))
-                )
+                commit_shard(shard_out)
                 shard_out = None
         if shard_out is not None:
-            shards.append(ShardEntry(shard_id=len(shards), n_prompts=shard_count, sha256=shard_out.commit(invalidate)))
+            commit_shard(shard_out)
             shard_out = None
         rejects_sha = rejects_out.commit(invalidate)
     finally:
@@ -185,7 +197,7 @@ def read_plan(layout: RunLayout, verify: bool = True) -> ShardPlan | None:
     expected = [(layout.shard_prompts(s.shard_id), s.sha256) for s in plan.shards]
     expected.append((layout.load_rejects, plan.load_rejects_sha256))
     for path, sha in expected:
-        if not path.is_file() or _file_sha256(path) != sha:
+        if not path.is_file() or sha256_file(path) != sha:
             return None
     return plan
 
@@ -229,7 +241,7 @@ class _HashingWriter:
         os.fsync(self._file.fileno())
         self._file.close()
         target = self.target
-        if target.is_file() and target.stat().st_size == self._size and _file_sha256(target) == digest:
+        if target.is_file() and target.stat().st_size == self._size and sha256_file(target) == digest:
             # Identical: keep the existing file (same inode and mtime) so nothing downstream sees a change.
             self._tmp.unlink()
         else:
@@ -251,11 +263,4 @@ def _remove_stale_shards(layout: RunLayout, n_shards: int, before_change: Callab
         if match and int(match.group(1)) >= n_shards:
             before_change()
             path.unlink()
-
-
-def _file_sha256(path: Path) -> str:
-    sha = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            sha.update(chunk)
-    return sha.hexdigest()
+            rendered_path(path).unlink(missing_ok=True)

@@ -21,8 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -32,6 +30,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from datagen.checkpoint import read_lines, write_lines
 from datagen.layout import RunLayout
 from datagen.storage import ObjectExists, ObjectStore
 from tasks.generation import ShardResult
@@ -131,40 +130,9 @@ def _part_box(key: str) -> str:
     return key.rsplit("/", 1)[-1].removeprefix("part-").rsplit("-", 2)[0]
 
 
-def _write_atomic(path: Path, lines: Iterable[str]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for line in lines:
-                f.write(line + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _local_rows(path: Path) -> list[str]:
-    """Complete JSON lines of a local checkpoint; a torn last line (crash mid-write) is left out."""
-    if not path.exists():
-        return []
-    raw = path.read_bytes().split(b"\n")
-    rows: list[str] = []
-    for i, line in enumerate(raw):
-        if not line.strip():
-            continue
-        text = line.decode("utf-8")
-        try:
-            json.loads(text)
-        except ValueError:
-            if i >= len(raw) - 2:
-                break
-            raise ShardExchangeError(f"{path}: line {i + 1} is not JSON") from None
-        rows.append(text)
-    return rows
+    """Committed lines of a local checkpoint (datagen.checkpoint's torn-line policy: a torn tail is not a row)."""
+    return [line.text for line in read_lines(path)]
 
 
 class ShardExchange:
@@ -244,7 +212,7 @@ class ShardExchange:
         data = self.store.get_bytes(self.prompts_key(shard_id))
         if hashlib.sha256(data).hexdigest() != entry.sha256:
             raise ShardExchangeError(f"{self.store.uri(self.prompts_key(shard_id))} does not match the plan")
-        _write_atomic(path, data.decode("utf-8").splitlines())
+        write_lines(path, data.decode("utf-8").splitlines())
         return path
 
     # --- claims --------------------------------------------------------------------------------------
@@ -357,7 +325,7 @@ class ShardExchange:
                 for request in list(rows):
                     if request in remote.completions:
                         del rows[request]
-            _write_atomic(path, rows.values())
+            write_lines(path, rows.values())
         return remote.keys
 
     def upload_part(self, shard_id: int, kind: str, lines: list[str], seq: int) -> str:
@@ -410,8 +378,8 @@ class ShardExchange:
                 f"{len(expected_keys)} are missing and {len(extra)} do not belong to it (spec or model changed?)"
             )
         completions_path, rejects_path = layout.shard_completions(shard_id), layout.shard_rejects(shard_id)
-        _write_atomic(completions_path, rows.completions.values())
-        _write_atomic(rejects_path, rows.rejects.values())
+        write_lines(completions_path, rows.completions.values())
+        write_lines(rejects_path, rows.rejects.values())
         data = completions_path.read_bytes()
         tokens = sum(int(json.loads(line)["completion_tokens"]) for line in rows.completions.values())
         result = ShardResult(

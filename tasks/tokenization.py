@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, Field
 
 from datagen.chat import ChatTokenizer, TemplateError
+from datagen.checkpoint import read_lines
 from datagen.dataset_card import DatasetSizes
 from datagen.quality import NO_CATEGORY, TokenDistribution, completion_body
 from datagen.records import REJECT_SCHEMA, TOKEN_ROW_SCHEMA, Completion, Message, Reject, TokenRow
@@ -70,7 +71,7 @@ def _first_difference(a: str, b: str) -> str:
 
 
 def _num_turns(messages: list[Message]) -> int:
-    return max(1, sum(1 for m in messages if m.get("role") == "user"))
+    return max(1, sum(1 for m in messages if m.role == "user"))
 
 
 def _row(c: Completion, input_ids: list[int], loss_mask: list[int], prompt_tokens: int) -> TokenRow:
@@ -146,7 +147,7 @@ def build_rerendered(c: Completion, chat: ChatTokenizer, enable_thinking: bool) 
             raise RowRejected("rerender_unsupported", "no </think> in the text to split reasoning from answer")
         # The template itself splits "reasoning</think>answer" (as the old scripts had it do), so its own
         # whitespace rules apply, exactly as they would for any consumer re-rendering the conversation.
-        turn: Message = {"role": "assistant", "content": c.text}
+        turn = Message(role="assistant", content=c.text)
         conversation = chat.render_conversation([*c.messages, turn], enable_thinking)
     except TemplateError as exc:
         raise RowRejected("template_error", str(exc)) from exc
@@ -274,15 +275,12 @@ def _reject_batch(rejects: list[Reject]) -> pa.RecordBatch:
 
 
 def _read_rejects(path: Path) -> Iterator[Reject]:
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield Reject.from_json(line)
-            except (ValueError, TypeError) as exc:
-                # A reject file we cannot read would lose rejects silently: stop instead.
-                raise ValueError(f"{path}:{lineno}: not a Reject row: {exc}") from exc
+    for line in read_lines(path):
+        try:
+            yield Reject.from_json(line.text)
+        except (ValueError, TypeError) as exc:
+            # A reject file we cannot read would lose rejects silently: stop instead.
+            raise ValueError(f"{path}:{line.lineno}: not a Reject row: {exc}") from exc
 
 
 def _batches(paths: Iterable[Path], size: int) -> Iterator[list[tuple[Path, int, Completion | MalformedRecord]]]:

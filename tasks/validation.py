@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
+from datagen.checkpoint import CheckpointLine, read_lines
 from datagen.quality import (
     DuplicateIndex,
     GateReport,
@@ -88,25 +89,26 @@ def _parse(line: str) -> Completion:
         raise MalformedRecord("output_ids holds non-integers", raw)
     try:
         return Completion(**raw)
-    except TypeError as exc:  # unknown keys
+    except (TypeError, ValueError) as exc:  # unknown keys; messages that are not Messages
         raise MalformedRecord(str(exc), raw) from exc
 
 
+def _judge(line: CheckpointLine) -> tuple[int, Completion | MalformedRecord]:
+    try:
+        return line.lineno, _parse(line.text)
+    except MalformedRecord as exc:
+        return line.lineno, exc
+
+
 def iter_jsonl_completions(path: Path) -> Iterator[tuple[int, Completion | MalformedRecord]]:
-    """Yield (line number, Completion or the MalformedRecord error) for each non-empty line of a JSONL file."""
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, _parse(line)
-            except MalformedRecord as exc:
-                yield lineno, exc
+    """(line number, Completion or the MalformedRecord error) for each committed line (datagen.checkpoint)."""
+    for line in read_lines(path):
+        yield _judge(line)
 
 
 # The plan position generation records in `meta`; a key of the record, never text inside a JSON string
 # (where its quotes would be escaped).
-_PLAN_INDEX_RE = re.compile(rb'[{,] ?"plan_index": ?(\d+)')
+_PLAN_INDEX_RE = re.compile(r'[{,] ?"plan_index": ?(\d+)')
 
 
 def iter_in_plan_order(path: Path) -> Iterator[tuple[int, Completion | MalformedRecord]]:
@@ -116,35 +118,24 @@ def iter_in_plan_order(path: Path) -> Iterator[tuple[int, Completion | Malformed
     order; lines without a plan position keep their file order after the others.
     """
     index: list[tuple[int, int, int, int]] = []  # (plan position, line number, offset, length)
+    for line in read_lines(path):
+        found = _PLAN_INDEX_RE.findall(line.text)
+        index.append((int(found[-1]) if found else 1 << 62, line.lineno, line.offset, line.length))
+    index.sort()
     with path.open("rb") as f:
-        offset = 0
-        for lineno, raw in enumerate(f, 1):
-            if raw.strip():
-                found = _PLAN_INDEX_RE.findall(raw)
-                index.append((int(found[-1]) if found else 1 << 62, lineno, offset, len(raw)))
-            offset += len(raw)
-        index.sort()
         for _, lineno, start, size in index:
             f.seek(start)
-            line = f.read(size).decode("utf-8")
-            try:
-                yield lineno, _parse(line)
-            except MalformedRecord as exc:
-                yield lineno, exc
+            yield _judge(CheckpointLine(lineno, start, size, f.read(size)[:-1].decode("utf-8")))
 
 
 def count_reject_reasons(paths: list[Path]) -> dict[str, int]:
     """'stage/reason' -> rows over reject JSONL files (a missing file holds none)."""
     counts: dict[str, int] = {}
     for path in paths:
-        if not path.is_file():
-            continue
-        with path.open(encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    r = Reject.from_json(line)
-                    key = f"{r.stage}/{r.reason}"
-                    counts[key] = counts.get(key, 0) + 1
+        for line in read_lines(path):
+            r = Reject.from_json(line.text)
+            key = f"{r.stage}/{r.reason}"
+            counts[key] = counts.get(key, 0) + 1
     return counts
 
 

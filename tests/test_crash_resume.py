@@ -26,9 +26,10 @@ import httpx
 import pytest
 from datasets import load_dataset
 
+from datagen.identity import PromptIdentity
 from datagen.localstack import LocalS3
 from datagen.model_fixture import ensure_model_dir
-from datagen.prompts import PromptIdentity
+from datagen.records import Message
 from datagen.runspec import PromptSource, QualityGate, RunSpec, SamplingSpec
 from datagen.storage import ObjectStore
 
@@ -277,8 +278,9 @@ def test_sigkill_mid_generation_then_rerun_yields_every_prompt_once(local_s3: Lo
     shipped = list(load_dataset("parquet", data_files=data_files)["train"]["prompt_id"])
     rejected = list(load_dataset("parquet", data_files=reject_files)["train"]["prompt_id"]) if reject_files else []
     identity = PromptIdentity.for_spec(spec)  # ids follow the rendered tokens
-    assert identity is not None
-    expected = {identity(prompts.stem, _messages(i)) for i in range(N_PROMPTS)}
+    expected = {
+        identity.prompt_id(prompts.stem, [Message.from_dict(m) for m in _messages(i)]) for i in range(N_PROMPTS)
+    }
     everything = shipped + rejected
     assert len(everything) == len(set(everything)) == N_PROMPTS, "a prompt is duplicated or missing"
     assert set(everything) == expected

@@ -13,9 +13,9 @@ from prefect import flow
 from pydantic import SecretStr
 
 from datagen.chat import ChatTokenizer
+from datagen.identity import PromptIdentity
 from datagen.localstack import LocalS3
 from datagen.model_fixture import ensure_model_dir
-from datagen.prompts import PromptIdentity
 from datagen.records import Message
 from datagen.runspec import PromptSource, QualityGate, RunSpec, SamplingSpec
 from datagen.storage import ObjectStore
@@ -60,12 +60,12 @@ MALFORMED_LINES = ['{"messages": [{"role": "user", "content": "unterminated', '{
 
 def _expected_messages(row: dict[str, Any]) -> list[Message]:
     if "messages" in row:
-        return [dict(m) for m in row["messages"]]
+        return [Message.from_dict(m) for m in row["messages"]]
     if "conversations" in row:
         roles = {"system": "system", "human": "user", "gpt": "assistant"}
-        msgs = [{"role": roles[t["from"]], "content": t["value"]} for t in row["conversations"]]
-        return msgs[:-1] if msgs[-1]["role"] == "assistant" else msgs
-    return [{"role": "user", "content": row["instruction"]}]
+        msgs = [Message.from_dict({"role": roles[t["from"]], "content": t["value"]}) for t in row["conversations"]]
+        return msgs[:-1] if msgs[-1].role == "assistant" else msgs
+    return [Message(role="user", content=row["instruction"])]
 
 
 @pytest.fixture(scope="module")
@@ -139,8 +139,7 @@ def test_flow_publishes_token_exact_dataset_and_never_overwrites(
 
     source = "mixed"
     identity = PromptIdentity.for_spec(spec)  # ids follow the rendered tokens
-    assert identity is not None
-    expected = {identity(source, _expected_messages(r)): _expected_messages(r) for r in GOOD_ROWS}
+    expected = {identity.prompt_id(source, _expected_messages(r)): _expected_messages(r) for r in GOOD_ROWS}
     shipped = [r["prompt_id"] for r in data]
     rejected_later = [r["prompt_id"] for r in rejects if r["stage"] != "load"]
     assert len(shipped) == len(set(shipped))  # one row per accepted prompt

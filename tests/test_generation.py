@@ -16,12 +16,15 @@ import pytest
 from datagen.chat import IM_END_ID, ChatTokenizer
 from datagen.endpoints import ServerEndpoint
 from datagen.engine.dispatcher import Dispatcher
+from datagen.identity import prompt_id_from_messages, request_key
 from datagen.layout import RunLayout
 from datagen.model_fixture import ensure_model_dir
-from datagen.records import Completion, Prompt, Reject, prompt_id_for
-from datagen.runspec import RunSpec, SamplingSpec
+from datagen.preparation import Preparer
+from datagen.records import Completion, Prompt, Reject
+from datagen.runspec import PromptSource, RunSpec, SamplingSpec
 from datagen.standin.testing import run_standin
-from tasks.generation import ShardResult, generate_shard, request_key
+from tasks.generation import ShardResult, generate_shard
+from tasks.planning import plan_shards
 
 # Fast, short outputs: these tests check bookkeeping, not speed.
 FAST = {
@@ -50,10 +53,10 @@ def write_shard(layout: RunLayout, shard_id: int, n: int, *, long_prompt: bool =
     prompts = []
     for i in range(n):
         messages = [{"role": "user", "content": f"Question {i}: what is {i} + {i * 7}? Explain briefly."}]
-        prompts.append(Prompt(prompt_id_for("t", messages), "t", i, messages, category="math"))
+        prompts.append(Prompt(prompt_id_from_messages("t", messages), "t", i, messages, category="math"))
     if long_prompt:
         messages = [{"role": "user", "content": "word " * 1000}]
-        prompts.append(Prompt(prompt_id_for("t", messages), "t", n, messages))
+        prompts.append(Prompt(prompt_id_from_messages("t", messages), "t", n, messages))
     path = layout.shard_prompts(shard_id)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(p.to_json() + "\n" for p in prompts))
@@ -217,7 +220,7 @@ def test_a_servers_400_becomes_a_reject_row_with_its_message(
     layout = RunLayout(tmp_path)
     prompts = write_shard(layout, 4, 5)
     messages = [{"role": "user", "content": "tell me about " * 60}]
-    prompts.append(Prompt(prompt_id_for("t", messages), "t", 5, messages))
+    prompts.append(Prompt(prompt_id_from_messages("t", messages), "t", 5, messages))
     layout.shard_prompts(4).write_text("".join(p.to_json() + "\n" for p in prompts))
     # Our limit (400) lets it through; the server's own context (160 tokens) does not.
     with box(model_dir, {}, args=("--context-length", "160")) as eps:
@@ -230,3 +233,27 @@ def test_a_servers_400_becomes_a_reject_row_with_its_message(
     (reject,) = rows(layout.shard_rejects(4))
     assert reject["reason"] == "server_rejected" and reject["prompt_id"] == prompts[-1].prompt_id
     assert "context length" in reject["detail"]
+
+
+def test_generation_sends_planning_s_render_without_rendering_again(
+    tmp_path: Path, model_dir: Path, chat: ChatTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = tmp_path / "q.jsonl"
+    source.write_text("".join(json.dumps({"instruction": f"Question {i}: add {i} and {i}."}) + "\n" for i in range(12)))
+    spec = SPEC.model_copy(update={"model_path": str(model_dir), "sources": [PromptSource(path=str(source))]})
+    layout = RunLayout(tmp_path / "run")
+    plan = plan_shards(spec, layout)
+
+    def no_render(self: Preparer, messages: list[Any]) -> list[int]:
+        raise AssertionError("generation rendered a prompt that planning had rendered")
+
+    monkeypatch.setattr(Preparer, "__call__", no_render)
+    with box(model_dir, {}) as eps:
+        d = make_dispatcher(eps)
+        try:
+            result = generate_shard(plan.shard_ids[0], layout, d, chat, spec)
+        finally:
+            d.close()
+    assert (result.n_completed, result.n_rejected) == (12, 0)
+    for c in rows(layout.shard_completions(0)):
+        assert c["prompt_tokens"] == len(chat.prompt_ids(Completion.from_json(json.dumps(c)).messages))

@@ -23,9 +23,10 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
+from datagen.identity import PromptIdentity
 from datagen.localstack import LocalS3
 from datagen.model_fixture import ensure_model_dir
-from datagen.prompts import PromptIdentity
+from datagen.records import Message
 from datagen.runspec import RunSpec
 from datagen.storage import ObjectStore
 from tasks.shard_exchange import ShardExchange
@@ -211,9 +212,8 @@ def test_two_boxes_share_a_run_and_a_killed_box_loses_nothing(
     shipped = [pid for t in data for pid in t.column("prompt_id").to_pylist()]
     rejected = [pid for t in rejects for pid in t.column("prompt_id").to_pylist()]
     identity = PromptIdentity.for_spec(RunSpec.model_validate(spec))  # ids follow the rendered tokens
-    assert identity is not None
     expected = {
-        identity("prompts", [{"role": "user", "content": f"Question {i}: explain idea {i} briefly."}])
+        identity.prompt_id("prompts", [Message(role="user", content=f"Question {i}: explain idea {i} briefly.")])
         for i in range(N_PROMPTS)
     }
     assert len(shipped) == len(set(shipped))

@@ -27,9 +27,10 @@ from pydantic import SecretStr
 from datagen.chat import ChatTokenizer
 from datagen.endpoints import ServerEndpoint
 from datagen.engine.dispatcher import Dispatcher, DispatcherStats
+from datagen.identity import prompt_id_from_messages
 from datagen.layout import RunLayout
 from datagen.model_fixture import ensure_model_dir
-from datagen.records import Prompt, prompt_id_for
+from datagen.records import Prompt
 from datagen.runspec import RunSpec, SamplingSpec
 from datagen.settings import Settings
 from datagen.standin.testing import run_standin
@@ -71,7 +72,7 @@ def write_shards(layout: RunLayout) -> None:
         lines = []
         for i in range(PER_SHARD):
             messages = [{"role": "user", "content": f"Shard {shard} question {i}: why is {i} + {shard} even or odd?"}]
-            lines.append(Prompt(prompt_id_for("t", messages), "t", i, messages).to_json() + "\n")
+            lines.append(Prompt(prompt_id_from_messages("t", messages), "t", i, messages).to_json() + "\n")
         path = layout.shard_prompts(shard)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("".join(lines))

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+from array import array
 from pathlib import Path
 
 import pytest
 
+from datagen.identity import prompt_id_from_messages
 from datagen.layout import RunLayout
-from datagen.records import Prompt, Reject, prompt_id_for
+from datagen.model_fixture import ensure_model_dir
+from datagen.records import Prompt, Reject
 from datagen.runspec import PromptSource, RunSpec
 from tasks.ordering import LengthModel, LengthSample, long_first, long_first_filter, run_filter
 from tasks.planning import plan_shards
@@ -17,7 +20,7 @@ from tasks.selection import choose, stratified_sample
 
 def _prompt(source: str, n: int, category: str | None = None, text: str = "") -> Prompt:
     messages = [{"role": "user", "content": text or f"{source} question {n}"}]
-    return Prompt(prompt_id_for(source, messages), source, n, messages, category)
+    return Prompt(prompt_id_from_messages(source, messages), source, n, messages, category)
 
 
 def _model() -> LengthModel:
@@ -76,11 +79,23 @@ def test_long_first_orders_by_prediction_keeps_ties_and_passes_rejects(tmp_path:
     assert not (tmp_path / "spill-b").exists()  # spill runs are removed
 
 
+def test_a_spilled_sort_keeps_each_prompt_s_rendered_ids(tmp_path: Path) -> None:
+    prompts = [_prompt("code", i) for i in range(7)]
+    for i, p in enumerate(prompts):
+        p.input_ids = array("i", [248045, i, 70000 + i, 248046])  # planning writes these beside the shard
+    spilled = [p for p in long_first(prompts, _model(), tmp_path / "spill", run=3) if isinstance(p, Prompt)]
+    assert {p.row: list(p.input_ids or []) for p in spilled} == {i: [248045, i, 70000 + i, 248046] for i in range(7)}
+
+
 def test_planning_writes_shards_longest_expected_first(tmp_path: Path) -> None:
     rows = [{"messages": [{"role": "user", "content": f"q{i}"}], "category": ["easy", "hard"][i % 2]} for i in range(8)]
     path = tmp_path / "code.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    spec = RunSpec(sources=[PromptSource(path=str(path), category_field="category")], shard_size=4)
+    spec = RunSpec(
+        sources=[PromptSource(path=str(path), category_field="category")],
+        shard_size=4,
+        model_path=str(ensure_model_dir()),
+    )
     layout = RunLayout(tmp_path / "run")
     plan = plan_shards(spec, layout, select=long_first_filter(_model(), tmp_path / "spill"))
     first = [Prompt.from_json(line).category for line in layout.shard_prompts(0).read_text().splitlines()]

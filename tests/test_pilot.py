@@ -129,7 +129,7 @@ def test_long_first_order_shortens_the_tail() -> None:
     # Long-first: the 1000 runs from t=0 at B=4 while 19 x 100 pass through the other 3 slots (~633 steps), then
     # the 1000 finishes alone; total = 1000 tokens of it, bounded below by the work at full batch.
     assert long_first >= 1000 * m.step_s(1)
-    assert sorted(dispatch_order(items, "fifo", seed=1)) == sorted(n for _, n in items)
+    assert sorted(dispatch_order(items, "source", seed=1)) == sorted(n for _, n in items)
     with pytest.raises(ValueError):
         dispatch_order(items, "random")
 

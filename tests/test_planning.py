@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from datagen.layout import RunLayout
+from datagen.model_fixture import ensure_model_dir
 from datagen.prompts import PromptSourceError
 from datagen.records import Prompt, Reject
 from datagen.runspec import PromptSource, RunSpec
@@ -30,7 +31,11 @@ def write_rows(path: Path, n: int, start: int = 0, bad_every: int = 0) -> Path:
 
 
 def spec_for(*paths: Path, shard_size: int = 3) -> RunSpec:
-    return RunSpec(sources=[PromptSource(path=str(p), category_field="category") for p in paths], shard_size=shard_size)
+    return RunSpec(
+        sources=[PromptSource(path=str(p), category_field="category") for p in paths],
+        shard_size=shard_size,
+        model_path=str(ensure_model_dir()),  # a run's prompt ids are rendered: planning needs the model's tokenizer
+    )
 
 
 def files_of(layout: RunLayout) -> dict[str, bytes]:
@@ -63,9 +68,7 @@ def test_shards_rejects_and_counts(tmp_path: Path) -> None:
         [Prompt.from_json(line) for line in layout.shard_prompts(i).read_text().splitlines()] for i in plan.shard_ids
     ]
     flat = [p for shard in shard_prompts for p in shard]
-    assert [p.messages[0]["content"] for p in flat] == [
-        f"question {i}" for i in (0, 1, 2, 4, 5, 6, 8, 100, 101, 102, 103)
-    ]
+    assert [p.messages[0].content for p in flat] == [f"question {i}" for i in (0, 1, 2, 4, 5, 6, 8, 100, 101, 102, 103)]
     assert len({p.prompt_id for p in flat}) == 11
     rejects = [Reject.from_json(line) for line in layout.load_rejects.read_text().splitlines()]
     assert [(r.source, r.row, r.detail.split(": ")[0]) for r in rejects] == [("a", 3, f"{a}:4"), ("a", 7, f"{a}:8")]
@@ -86,6 +89,10 @@ def test_plan_is_deterministic(tmp_path: Path) -> None:
         "shards/shard-00000.prompts.jsonl",
         "shards/shard-00001.prompts.jsonl",
         "shards/shard-00002.prompts.jsonl",
+        # planning's render of each shard's prompts, for generation (datagen.preparation)
+        "shards/shard-00000.input-ids.arrow",
+        "shards/shard-00001.input-ids.arrow",
+        "shards/shard-00002.input-ids.arrow",
     }
 
 
@@ -183,7 +190,7 @@ def test_plan_round_trips_as_json(tmp_path: Path) -> None:
 
 def test_bundled_set_plans_with_default_sources(tmp_path: Path) -> None:
     layout = RunLayout(tmp_path / "run")
-    spec = RunSpec(shard_size=100)
+    spec = RunSpec(shard_size=100, model_path=str(ensure_model_dir()))
     plan = plan_shards(spec, layout, base_dir=REPO)
     assert plan.n_load_rejects == 0
     assert plan.n_prompts == sum(plan.prompts_by_source.values()) == sum(s.n_prompts for s in plan.shards)
@@ -217,7 +224,7 @@ def _prompts(layout: RunLayout, plan: ShardPlan) -> list[Prompt]:
 def test_prompts_differing_only_in_whitespace_are_one_prompt_the_first_kept(tmp_path: Path) -> None:
     # Issue 13.5: whitespace variants got different ids though the template renders them to the same tokens.
     from datagen.chat import ChatTokenizer
-    from datagen.records import prompt_id_from_ids
+    from datagen.identity import prompt_id_from_ids
 
     f = tmp_path / "ws.jsonl"
     rows = [
@@ -272,3 +279,26 @@ def test_huge_row_is_rejected_as_too_long_without_being_tokenized(
     assert "4999999 characters of content cannot fit in 4096 prompt tokens" in reject.detail
     assert "without tokenizing" in reject.detail
     assert max(encoded) < 1000  # only the short row was ever tokenized
+
+
+def test_planning_writes_each_shard_s_render_and_a_stale_one_is_not_used(tmp_path: Path) -> None:
+    from datagen.chat import ChatTokenizer
+    from datagen.identity import PromptIdentity
+    from datagen.preparation import read_rendered
+
+    a = write_rows(tmp_path / "a.jsonl", 7)
+    layout = RunLayout(tmp_path / "run")
+    spec = spec_for(a, shard_size=3)
+    plan = plan_shards(spec, layout)
+    key = PromptIdentity.for_spec(spec).preparer.render_key
+    chat = ChatTokenizer.shared(spec.model_path)
+    for shard_id in plan.shard_ids:
+        path = layout.shard_prompts(shard_id)
+        prompts = [Prompt.from_json(line) for line in path.read_text().splitlines()]
+        cache = read_rendered(path, key)
+        assert cache is not None and len(cache) == len(prompts)
+        assert [cache[i] for i in range(len(prompts))] == [chat.prompt_ids(p.messages) for p in prompts]
+    assert read_rendered(layout.shard_prompts(0), key.replace("thinking=True", "thinking=False")) is None
+    path = layout.shard_prompts(1)
+    path.write_text(path.read_text().replace("question 3", "question three"))  # edited after planning
+    assert read_rendered(path, key) is None

@@ -12,11 +12,17 @@ import pyarrow.parquet as pq
 import pytest
 
 import datagen.prompts as prompts_mod
+from datagen.identity import prompt_id_from_messages
 from datagen.prompts import LOAD_REJECT_REASONS, PromptSourceError, iter_prompts
-from datagen.records import Prompt, Reject, prompt_id_for
+from datagen.records import Message, Prompt, Reject
 from datagen.runspec import PromptSource
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def dicts(messages: list[Message]) -> list[dict[str, Any]]:
+    """Messages in their JSON form, to compare with what a row held."""
+    return [m.to_dict() for m in messages]
 
 
 def write_jsonl(path: Path, rows: list[Any]) -> Path:
@@ -51,7 +57,7 @@ def test_sharegpt_roles_trailing_reply_dropped_system_and_history_kept(tmp_path:
     )
     prompts, rejects = load(f)
     assert rejects == []
-    assert [p.messages for p in prompts] == [
+    assert [dicts(p.messages) for p in prompts] == [
         [{"role": "user", "content": "Hi there"}],
         [
             {"role": "system", "content": "Be brief."},
@@ -72,7 +78,7 @@ def test_sharegpt_accepts_role_content_keys(tmp_path: Path) -> None:
     f = write_jsonl(tmp_path / "c.jsonl", [{"conversations": [{"role": "user", "content": "Hello"}]}])
     prompts, rejects = load(f)
     assert rejects == []
-    assert prompts[0].messages == [{"role": "user", "content": "Hello"}]
+    assert dicts(prompts[0].messages) == [{"role": "user", "content": "Hello"}]
 
 
 def test_openai_text_parts_joined_and_non_text_parts_rejected(tmp_path: Path) -> None:
@@ -88,7 +94,7 @@ def test_openai_text_parts_joined_and_non_text_parts_rejected(tmp_path: Path) ->
         ],
     )
     prompts, rejects = load(f)
-    assert [p.messages for p in prompts] == [
+    assert [dicts(p.messages) for p in prompts] == [
         [{"role": "system", "content": "Sys"}, {"role": "user", "content": "Part one. Two"}],
         [{"role": "user", "content": "Plain"}],  # the dropped trailing reply may be anything, even null
     ]
@@ -111,7 +117,7 @@ def test_alpaca_instruction_input_system_output_ignored(tmp_path: Path) -> None:
     )
     prompts, rejects = load(f)
     assert rejects == []
-    assert [p.messages for p in prompts] == [
+    assert [dicts(p.messages) for p in prompts] == [
         [{"role": "user", "content": "Translate to French.\n\nGood morning"}],
         [{"role": "user", "content": "Name a colour."}],
         [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Summarize.\n\nText."}],
@@ -125,10 +131,10 @@ def test_auto_detects_per_row_and_explicit_format_is_enforced(tmp_path: Path) ->
     )
     prompts, rejects = load(f)
     assert rejects == []
-    assert [p.messages[0]["content"] for p in prompts] == ["from sharegpt", "from openai", "from alpaca"]
+    assert [p.messages[0].content for p in prompts] == ["from sharegpt", "from openai", "from alpaca"]
 
     prompts, rejects = load(f, format="openai")
-    assert [p.messages[0]["content"] for p in prompts] == ["from openai"]
+    assert [p.messages[0].content for p in prompts] == ["from openai"]
     assert [(r.reason, r.row, r.detail) for r in rejects] == [
         ("missing_field", 0, f"{f}:1: no 'messages' field"),
         ("missing_field", 2, f"{f}:3: no 'messages' field"),
@@ -142,7 +148,7 @@ def test_same_conversation_in_any_format_gets_the_same_id(tmp_path: Path) -> Non
     c = tmp_path / "c.json"
     c.write_text(json.dumps([{"system": "S", "instruction": "U"}]), encoding="utf-8")
     ids = [load(p, name="same")[0][0].prompt_id for p in (a, b, c)]
-    assert ids == [prompt_id_for("same", conv)] * 3
+    assert ids == [prompt_id_from_messages("same", conv)] * 3
 
 
 # ----------------------------------------------------------------------------------------------- bad rows
@@ -174,7 +180,7 @@ def test_malformed_rows_are_rejected_with_exact_lines_and_good_rows_survive(tmp_
         ],
     )
     prompts, rejects = load(f)
-    assert [(p.messages[0]["content"], p.row) for p in prompts] == [("good 0", 0), ("good 1", 2), ("good 2", 17)]
+    assert [(p.messages[0].content, p.row) for p in prompts] == [("good 0", 0), ("good 1", 2), ("good 2", 17)]
     got = [(r.reason, r.row, r.detail.split(": ", 1)[0]) for r in rejects]
     assert got == [
         ("invalid_json", 1, f"{f}:2"),
@@ -205,7 +211,7 @@ def test_invalid_utf8_line_is_rejected(tmp_path: Path) -> None:
     f = tmp_path / "enc.jsonl"
     f.write_bytes(b'{"instruction": "ok"}\n{"instruction": "\xff\xfe"}\n{"instruction": "ok too"}\n')
     prompts, rejects = load(f)
-    assert [p.messages[0]["content"] for p in prompts] == ["ok", "ok too"]
+    assert [p.messages[0].content for p in prompts] == ["ok", "ok too"]
     assert [(r.reason, r.row) for r in rejects] == [("invalid_utf8", 1)]
     assert rejects[0].detail.startswith(f"{f}:2: line is not UTF-8")
 
@@ -229,7 +235,7 @@ def test_broken_json_list_row_is_one_reject_and_rows_after_it_survive(tmp_path: 
         '{"instruction": "d", "input": "[{,"},\n{"instruction": "unterminated},\n{"instruction": "e"}\n]\n'
     )
     prompts, rejects = load(f)
-    assert [(p.messages[0]["content"], p.row) for p in prompts] == [("a", 0), ("b", 1), ("d\n\n[{,", 3), ("e", 5)]
+    assert [(p.messages[0].content, p.row) for p in prompts] == [("a", 0), ("b", 1), ("d\n\n[{,", 3), ("e", 5)]
     assert [(r.reason, r.row, r.detail.split(": ")[0]) for r in rejects] == [
         ("invalid_json", 2, f"{f}:4"),
         ("invalid_json", 4, f"{f}:6"),
@@ -241,7 +247,7 @@ def test_json_list_missing_comma_between_rows_loses_nothing(tmp_path: Path) -> N
     f = tmp_path / "nocomma.json"
     f.write_text('[{"instruction": "a"} {"instruction": "b"}, {"instruction": "c"}]')
     prompts, rejects = load(f)
-    assert [p.messages[0]["content"] for p in prompts] == ["a", "b", "c"]
+    assert [p.messages[0].content for p in prompts] == ["a", "b", "c"]
     assert rejects == []
 
 
@@ -255,7 +261,7 @@ def test_json_list_unreadable_past_a_point_fails_loudly_with_rows_lost(tmp_path:
     ):
         load(f)
     prompts, rejects = load(f, allow_partial_read=True)
-    assert [p.messages[0]["content"] for p in prompts] == ["a"]
+    assert [p.messages[0].content for p in prompts] == ["a"]
     assert [(r.reason, r.row) for r in rejects] == [("unreadable_rest", 1)]
     assert rejects[0].detail.startswith(f"{f}:1: invalid JSON at line 1")
 
@@ -289,7 +295,7 @@ def test_empty_or_blank_system_prompt_is_kept_as_given(tmp_path: Path) -> None:
         [{"role": "system", "content": ""}, {"role": "user", "content": "Question three"}],
         [{"role": "user", "content": "Question four"}],
     ]
-    assert [p.messages for p in prompts] == given
+    assert [dicts(p.messages) for p in prompts] == given
     chat = ChatTokenizer.from_model_dir(ensure_model_dir())
     hf = chat._hf  # the reference: transformers' own apply_chat_template on the messages as given
     for p, messages in zip(prompts, given, strict=True):
@@ -315,13 +321,13 @@ def test_json_list_streams_across_tiny_chunks(tmp_path: Path, monkeypatch: pytes
     f.write_text(json.dumps(rows, indent=1, ensure_ascii=False), encoding="utf-8")
     prompts, rejects = load(f)
     assert rejects == []
-    assert [p.messages[0]["content"] for p in prompts] == [r["instruction"] for r in rows]
+    assert [p.messages[0].content for p in prompts] == [r["instruction"] for r in rows]
 
 
 def test_json_file_holding_json_lines(tmp_path: Path) -> None:
     f = write_jsonl(tmp_path / "lines.json", [{"instruction": "a"}, "{bad", {"instruction": "b"}])
     prompts, rejects = load(f)
-    assert [p.messages[0]["content"] for p in prompts] == ["a", "b"]
+    assert [p.messages[0].content for p in prompts] == ["a", "b"]
     assert [(r.reason, r.detail.split(": ")[0]) for r in rejects] == [("invalid_json", f"{f}:2")]
 
 
@@ -373,7 +379,7 @@ def test_parquet_file(tmp_path: Path) -> None:
     f = tmp_path / "set.parquet"
     pq.write_table(table, f)
     prompts, rejects = load(f, category_field="category")
-    assert [(p.messages, p.category, p.row) for p in prompts] == [
+    assert [(dicts(p.messages), p.category, p.row) for p in prompts] == [
         ([{"role": "user", "content": "pq one"}], "a", 0),
         ([{"role": "user", "content": "pq two"}], None, 2),
     ]
@@ -391,7 +397,7 @@ def test_directory_is_read_sorted_with_a_source_per_file(tmp_path: Path) -> None
     (d / "README.md").write_text("not data")
     prompts, rejects = load(d)
     assert rejects == []
-    assert [(p.source, p.row, p.messages[0]["content"]) for p in prompts] == [
+    assert [(p.source, p.row, p.messages[0].content) for p in prompts] == [
         ("a", 0, "a0"),
         ("b", 0, "b0"),
         ("b", 1, "b1"),
@@ -432,7 +438,7 @@ def test_hub_dataset_is_streamed_through_datasets(tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(datasets, "load_dataset", offline_load)
     prompts, rejects = load("someorg/chat-set", split="train")
     assert calls == [("someorg/chat-set", "train", True)]
-    assert [(p.source, p.row, p.messages) for p in prompts] == [
+    assert [(p.source, p.row, dicts(p.messages)) for p in prompts] == [
         ("someorg/chat-set", 0, [{"role": "user", "content": "hub q"}]),
         ("someorg/chat-set", 2, [{"role": "user", "content": "hub q2"}]),
     ]
@@ -462,11 +468,11 @@ def test_saved_dataset_directory_is_read_through_datasets(tmp_path: Path) -> Non
     datasets.DatasetDict({"test": datasets.Dataset.from_list(rows[:1])}).save_to_disk(str(tmp_path / "dict"))
 
     prompts, rejects = load(tmp_path / "saved", category_field="category")
-    assert [(p.source, p.row, p.category, p.messages[0]["content"]) for p in prompts] == [("saved", 0, "x", "saved 0")]
+    assert [(p.source, p.row, p.category, p.messages[0].content) for p in prompts] == [("saved", 0, "x", "saved 0")]
     assert [(r.reason, r.detail) for r in rejects] == [
         ("empty_user_content", f"{tmp_path / 'saved'}:row 1: 'instruction' is empty")
     ]
-    assert [p.messages[0]["content"] for p in load(tmp_path / "dict", split="test")[0]] == ["saved 0"]
+    assert [p.messages[0].content for p in load(tmp_path / "dict", split="test")[0]] == ["saved 0"]
     with pytest.raises(PromptSourceError, match=r"no split 'train' \(splits: test\)"):
         iter_prompts([PromptSource(path=str(tmp_path / "dict"))])
 
@@ -525,8 +531,8 @@ def test_ids_are_stable_across_runs_and_depend_on_source(tmp_path: Path) -> None
     first = load(f)[0][0]
     again = load(f)[0][0]
     renamed = load(f, name="other")[0][0]
-    assert first.prompt_id == again.prompt_id == prompt_id_for("s", first.messages)
-    assert renamed.prompt_id == prompt_id_for("other", first.messages) != first.prompt_id
+    assert first.prompt_id == again.prompt_id == prompt_id_from_messages("s", first.messages)
+    assert renamed.prompt_id == prompt_id_from_messages("other", first.messages) != first.prompt_id
 
 
 # ----------------------------------------------------------------------------------------------- bundled set
@@ -545,9 +551,9 @@ def test_bundled_prompt_set_loads_cleanly_with_a_broad_mix() -> None:
     assert len(categories) >= 12
     # The narrow-mix incident: no category may dominate the demo set.
     assert max(categories.values()) / len(prompts) < 0.15
-    assert sum(1 for p in prompts if p.messages[0]["role"] == "system") >= 20
-    assert sum(1 for p in prompts if any(m["role"] == "assistant" for m in p.messages)) >= 10
-    assert all(p.messages[-1]["role"] == "user" for p in prompts)
+    assert sum(1 for p in prompts if p.messages[0].role == "system") >= 20
+    assert sum(1 for p in prompts if any(m.role == "assistant" for m in p.messages)) >= 10
+    assert all(p.messages[-1].role == "user" for p in prompts)
 
 
 def test_bundled_parquet_matches_its_generator_script() -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from datagen.chat import IM_END_ID, ChatTokenizer
+from datagen.identity import prompt_id_from_messages
 from datagen.model_fixture import ensure_model_dir
 from datagen.quality import (
     QualityGateError,
@@ -16,7 +17,7 @@ from datagen.quality import (
     check_quality_gate,
     render_validation_report,
 )
-from datagen.records import Completion, prompt_id_for
+from datagen.records import Completion
 from datagen.runspec import QualityGate, ValidationSpec
 from tasks.validation import validate_shards
 
@@ -89,7 +90,7 @@ def _placeholder_shard(chat: ChatTokenizer, path: Path, n: int, n_real: int) -> 
         messages = [{"role": "user", "content": f"Conversation {i}: tell me something."}]
         text = "OK." if i >= n_real else f"Answer {i}. {REAL_ANSWER}"
         ids = [*chat.encode(text), IM_END_ID]
-        pid = prompt_id_for("sharegpt", messages)
+        pid = prompt_id_from_messages("sharegpt", messages)
         c = Completion(pid, "sharegpt", i, messages, f"rk-{pid}", 20, ids, text, "stop", len(ids))
         lines.append(c.to_json())
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")

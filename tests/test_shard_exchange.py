@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from datagen.layout import RunLayout
+from datagen.model_fixture import ensure_model_dir
 from datagen.runspec import ExchangeSpec, MultiBoxSpec, PromptSource, RunSpec
 from datagen.storage import ObjectStore
 from tasks.generation import ShardResult
@@ -162,7 +163,9 @@ def test_plan_upload_is_idempotent_and_refuses_a_different_plan(s3_store: Object
     prompts.write_text(
         "\n".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"}]}) for i in range(5)) + "\n"
     )
-    spec = RunSpec(sources=[PromptSource(path=str(prompts))], shard_size=2, namespace="ns_test")
+    spec = RunSpec(
+        sources=[PromptSource(path=str(prompts))], shard_size=2, namespace="ns_test", model_path=str(ensure_model_dir())
+    )
     layout = RunLayout(tmp_path / "run")
     plan = plan_shards(spec, layout)
     sx = ShardExchange(s3_store, "ns_test", "parent", "p1")

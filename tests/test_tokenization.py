@@ -14,8 +14,9 @@ import yaml
 
 from datagen.chat import IM_END_ID, THINK_END_ID, ChatTokenizer, TemplateError
 from datagen.dataset_card import DatasetSizes, Lineage, arrow_features_yaml, write_dataset_card
+from datagen.identity import prompt_id_from_messages
 from datagen.model_fixture import ensure_model_dir
-from datagen.records import REJECT_SCHEMA, TOKEN_ROW_SCHEMA, Completion, Message, Reject, prompt_id_for
+from datagen.records import REJECT_SCHEMA, TOKEN_ROW_SCHEMA, Completion, Message, Reject
 from datagen.runspec import SamplingSpec
 from tasks.tokenization import RowRejected, build_rerendered, build_token_exact, tokenize_accepted
 
@@ -57,7 +58,7 @@ def make(
     """A completion as /generate returns it: output ids ending with <|im_end|>, text without it."""
     text = output_text(thinking) if text is None else text
     output_ids = (chat.encode(text) if ids is None else ids) + [IM_END_ID]
-    pid = prompt_id_for(source, messages)
+    pid = prompt_id_from_messages(source, messages)
     return Completion(
         prompt_id=pid,
         source=source,

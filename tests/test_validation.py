@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from datagen.chat import IM_END_ID, THINK_END_ID, ChatTokenizer
+from datagen.identity import prompt_id_from_messages
 from datagen.model_fixture import ensure_model_dir
 from datagen.quality import VALIDATION_REASONS, DuplicateIndex, check_completion, find_loops, repeated_ngram_share
-from datagen.records import Completion, Reject, prompt_id_for
+from datagen.records import Completion, Reject
 from datagen.runspec import ValidationSpec
 from tasks.validation import SUMMARY_NAME, render_validation_report, validate_shards
 
@@ -39,7 +40,7 @@ def make(
     """A completion as the server would return it: canonical ids of `text`, plus EOS when it stopped."""
     messages = [{"role": "user", "content": question}]
     ids = chat.encode(text) + ([IM_END_ID] if finish == "stop" else [])
-    pid = prompt_id_for(source, messages)
+    pid = prompt_id_from_messages(source, messages)
     return Completion(
         prompt_id=pid,
         source=source,

@@ -25,6 +25,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from datagen.chat import TemplateError
+from datagen.records import Message
 from datagen.standin.contract import ContractError, check_generate_body, check_sampling_values
 from datagen.standin.scheduler import QueueFullError, Req
 from datagen.standin.state import SGLANG_VERSION, ServerState, Status
@@ -434,7 +435,7 @@ def _chat_item(state: ServerState, req: _ChatRequest) -> tuple[_Item, bool]:
         msg = {"role": m.role, "content": _flat_content(m.content)}
         if m.reasoning_content is not None:
             msg["reasoning_content"] = m.reasoning_content
-        messages.append(msg)
+        messages.append(Message.from_dict(msg))
     try:
         prompt_ids = state.tokenizer.prompt_ids(messages, enable_thinking=thinking)
     except TemplateError as exc:

@@ -1,0 +1,207 @@
+"""Per-shard generation checkpoints: the completions and rejects JSON-lines files, one reader and one writer.
+
+    <work_dir>/runs/<namespace>/shards/shard-NNNNN.completions.jsonl   one `Completion` per line
+    <work_dir>/runs/<namespace>/shards/shard-NNNNN.rejects.jsonl       one generation `Reject` per line
+
+Each row carries its `request_key` (datagen.identity): together the two files are an exactly-once ledger of
+the shard's requests. The writer (`CheckpointAppender`) hands every record to the OS as one write of the line
+and its newline, and fsyncs at least every couple of seconds.
+
+Torn-line policy, the same for every reader (generation's ledger, the pilot's import and projection, the
+multi-box exchange, validation, tokenization's reject reader, the run report):
+    A record is committed by its newline. Bytes after the last newline are a write a crash cut short: they
+    are not a record. Readers skip them (with a warning); the writer cuts them off (`repair`) before it
+    appends, so the request they belonged to is simply sent again. A line that has its newline but is not a
+    JSON object is corruption, not a crash: `CheckpointError` names the file and line (validation, whose job
+    is to judge lines, turns it into a `malformed_record` reject instead).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = [
+    "CheckpointAppender",
+    "CheckpointError",
+    "CheckpointLine",
+    "append_lines",
+    "read_lines",
+    "read_rows",
+    "repair",
+    "settled_keys",
+    "summarize",
+    "write_lines",
+]
+
+logger = logging.getLogger("datagen.checkpoint")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint does not belong to this shard, spec or model, or is corrupt."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointLine:
+    """One committed line: where it is (1-based line number, byte offset and length with its newline) and its text."""
+
+    lineno: int
+    offset: int
+    length: int
+    text: str  # without the newline
+
+    def row(self, path: Path) -> dict[str, Any]:
+        """The line as a JSON object; CheckpointError (file:line) when it is not one."""
+        try:
+            row = json.loads(self.text)
+        except ValueError as exc:
+            raise CheckpointError(f"{path}:{self.lineno}: not a JSON object: {exc}") from exc
+        if not isinstance(row, dict):
+            raise CheckpointError(f"{path}:{self.lineno}: not a JSON object but a {type(row).__name__}")
+        return row
+
+
+def read_lines(path: Path) -> Iterator[CheckpointLine]:
+    """Every committed, non-blank line of a checkpoint file (none when it does not exist); a torn tail is skipped."""
+    if not path.exists():
+        return
+    offset = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.endswith(b"\n"):
+                logger.warning("%s: skipping a torn last line (%d bytes) left by a crash", path, len(raw))
+                return
+            if raw.strip():
+                yield CheckpointLine(lineno, offset, len(raw), raw[:-1].decode("utf-8"))
+            offset += len(raw)
+
+
+def read_rows(path: Path) -> Iterator[dict[str, Any]]:
+    """Every committed line as a JSON object (see read_lines); CheckpointError on a corrupt one."""
+    for line in read_lines(path):
+        yield line.row(path)
+
+
+def settled_keys(path: Path, what: str) -> set[str]:
+    """Request keys a checkpoint file settles; CheckpointError when a row has none or one appears twice."""
+    keys: set[str] = set()
+    for line in read_lines(path):
+        key = line.row(path).get("request_key")
+        if not isinstance(key, str):
+            raise CheckpointError(f"{path}:{line.lineno}: a {what} row has no request_key")
+        if key in keys:
+            raise CheckpointError(f"{path}:{line.lineno}: request {key[:12]}… appears twice")
+        keys.add(key)
+    return keys
+
+
+def summarize(path: Path) -> tuple[int, int, str]:
+    """Rows, output tokens (`completion_tokens`) and sha256 of the committed lines of a completions file."""
+    digest = hashlib.sha256()
+    rows = tokens = 0
+    for line in read_lines(path):
+        digest.update(line.text.encode("utf-8") + b"\n")
+        rows += 1
+        tokens += int(line.row(path)["completion_tokens"])
+    return rows, tokens, digest.hexdigest()
+
+
+def repair(path: Path) -> int:
+    """Cut a torn tail (bytes after the last newline) off a checkpoint file; returns how many bytes went."""
+    if not path.exists():
+        return 0
+    with open(path, "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return 0
+        # Look back from the end for the last newline, a block at a time (a torn line is one record at most).
+        end, block = size, 1 << 16
+        while end > 0:
+            start = max(0, end - block)
+            f.seek(start)
+            nl = f.read(end - start).rfind(b"\n")
+            if nl >= 0:
+                keep = start + nl + 1
+                break
+            end = start
+        else:
+            keep = 0
+        if keep == size:
+            return 0
+        logger.warning("%s: cutting a torn last line (%d bytes) left by a crash", path, size - keep)
+        f.truncate(keep)
+        os.fsync(f.fileno())
+        return size - keep
+
+
+class CheckpointAppender:
+    """Appends records to a checkpoint file (after `repair`); fsyncs when asked and at least every `interval_s`."""
+
+    def __init__(self, path: Path, interval_s: float) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        repair(path)
+        self._f: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        self._interval_s = interval_s
+        self._last = time.monotonic()
+        self._dirty = False
+
+    def write(self, line: str) -> None:
+        # Flushed per line: a killed process (SIGKILL, OOM) loses nothing it recorded, only a machine crash
+        # can lose the last interval's lines. One write syscall per completion is noise next to the request.
+        self._f.write(line + "\n")
+        self._f.flush()
+        self._dirty = True
+
+    def sync_if_due(self) -> None:
+        if self._dirty and time.monotonic() - self._last >= self._interval_s:
+            self.sync()
+
+    def sync(self) -> None:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._dirty = False
+        self._last = time.monotonic()
+
+    def close(self) -> None:
+        self.sync()
+        self._f.close()
+
+
+def append_lines(target: Path, lines: Iterable[CheckpointLine]) -> int:
+    """Append committed lines (of another checkpoint file) to `target`, repaired first; returns how many."""
+    todo = list(lines)
+    if not todo:
+        return 0
+    target.parent.mkdir(parents=True, exist_ok=True)
+    repair(target)
+    with open(target, "ab") as out:
+        for line in todo:
+            out.write(line.text.encode("utf-8") + b"\n")
+        out.flush()
+        os.fsync(out.fileno())
+    return len(todo)
+
+
+def write_lines(path: Path, lines: Iterable[str]) -> None:
+    """Replace a checkpoint file with these lines at once (temp file + rename): a reader never sees half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for line in lines:
+                f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

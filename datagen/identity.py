@@ -1,0 +1,134 @@
+"""The keys that name work across runs: prompt ids, request keys and a shard's generation cache key.
+
+Catalogs in S3 and every checkpoint hold these keys, so they never change for the same input
+(tests/test_identity.py pins each one with values computed before this module existed).
+
+    prompt id      sha256(source, rendered token ids)[:24]: the prompt as the model sees it. A run always uses
+                   this scheme; `PromptIdentity.for_spec` refuses (IdentityError) when the model directory has
+                   no tokenizer rather than falling back to another scheme, which would give the same prompts
+                   other ids and defeat the catalog's skip of published prompts and the checkpoints' ledger.
+                   `prompt_id_from_messages` is the scheme for code with no model at hand (loader tests,
+                   benchmarks, `iter_prompts` without an identity); a run never mixes the two.
+    request key    sha256(prompt id, sampling, model fingerprint, chat-template hash): one generation request.
+    cache key      a shard's generation task in Prefect: namespace, plan, sampling, model, shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from array import array
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from datagen.chat import ChatTokenizer
+from datagen.preparation import Preparer
+from datagen.records import Message
+from datagen.runspec import RunSpec, SamplingSpec
+
+__all__ = [
+    "IdentityError",
+    "PromptIdentity",
+    "RequestKeys",
+    "generation_cache_key",
+    "preparer_for",
+    "prompt_id_from_ids",
+    "prompt_id_from_messages",
+    "request_key",
+]
+
+
+class IdentityError(RuntimeError):
+    """A run's prompt ids cannot be computed (no tokenizer): the run stops rather than switch id scheme."""
+
+
+def prompt_id_from_messages(source: str, messages: Sequence[Message | Mapping[str, Any]]) -> str:
+    """Id of a prompt without a model: sha256 over its source label and its messages' role and content.
+
+    Takes messages or their dict form (tests and benchmarks build prompts from literals).
+    """
+    pairs = [[m.role, m.content] if isinstance(m, Message) else [m["role"], m["content"]] for m in messages]
+    payload = json.dumps([source, pairs], ensure_ascii=False)
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:24]
+
+
+def prompt_id_from_ids(source: str, token_ids: list[int]) -> str:
+    """Id of a prompt as the model sees it: sha256 over its source label and its rendered token ids."""
+    payload = json.dumps([source, token_ids], separators=(",", ":"))
+    return hashlib.sha256(payload.encode("ascii")).hexdigest()[:24]
+
+
+class PromptIdentity:
+    """A run's prompt ids: rendered by the checkpoint's template (`Preparer`), hashed with the source label.
+
+    Two rows whose messages differ only in what the template normalizes (e.g. whitespace it trims) render
+    to the same ids, so they are one prompt. Rendering for the id also finds what could never be sent
+    (`Unsendable`: template_error, prompt_too_long), and the ids it made are reused (render once).
+    """
+
+    scheme = "rendered_token_ids"
+
+    def __init__(self, preparer: Preparer) -> None:
+        self.preparer = preparer
+
+    @classmethod
+    def for_spec(cls, spec: RunSpec) -> PromptIdentity:
+        """The identity a run's prompts get; raises IdentityError when the model directory has no tokenizer."""
+        path = Path(spec.model_path)
+        if not (path / "tokenizer.json").is_file():
+            raise IdentityError(
+                f"{path}: no tokenizer.json, so this run's prompt ids (sha256 of the rendered token ids) cannot be "
+                "computed; stage the model there (or point model_path at it) before planning. Ids are never taken "
+                "from another scheme: published catalogs and checkpoints hold these ids"
+            )
+        # The flow's own instance (ChatTokenizer.shared): one tokenizer load per process.
+        return cls(preparer_for(spec, ChatTokenizer.shared(path)))
+
+    def __call__(self, source: str, messages: list[Message]) -> tuple[str, array[int]]:
+        """(prompt id, rendered token ids) of `messages` from `source`; raises Unsendable."""
+        ids = self.preparer(messages)
+        return prompt_id_from_ids(source, ids), array("i", ids)
+
+    def prompt_id(self, source: str, messages: list[Message]) -> str:
+        """The prompt id alone; raises Unsendable."""
+        return self(source, messages)[0]
+
+
+def preparer_for(spec: RunSpec, chat: ChatTokenizer) -> Preparer:
+    """The run's request preparation: its thinking setting and prompt budget."""
+    note = (
+        f"(context_length {spec.context_length}, max_new_tokens {spec.sampling.max_new_tokens}, "
+        f"max_prompt_tokens {spec.max_prompt_tokens})"
+    )
+    return Preparer(chat, spec.sampling.enable_thinking, spec.prompt_token_limit, note)
+
+
+def request_key(prompt_id: str, sampling: SamplingSpec, model_fingerprint: str, template_hash: str) -> str:
+    """Content key of one request: sha256 over prompt id, sampling, model fingerprint and chat template."""
+    payload = {
+        "prompt_id": prompt_id,
+        "sampling": sampling.model_dump(mode="json"),
+        "model": model_fingerprint,
+        "template": template_hash,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+class RequestKeys:
+    """The request key of each prompt id under one run's sampling and model."""
+
+    def __init__(self, sampling: SamplingSpec, chat: ChatTokenizer) -> None:
+        self._sampling, self._fingerprint, self._template = sampling, chat.fingerprint, chat.template_hash
+
+    def __call__(self, prompt_id: str) -> str:
+        return request_key(prompt_id, self._sampling, self._fingerprint, self._template)
+
+
+def generation_cache_key(
+    namespace: str, plan_sha256: str, sampling: SamplingSpec, model_fingerprint: str, shard_id: int
+) -> str:
+    """Prefect cache key of a shard's generation task: survives new flow runs (unlike Prefect's default policy)."""
+    request_params = json.dumps({"sampling": sampling.model_dump(), "fingerprint": model_fingerprint}, sort_keys=True)
+    digest = hashlib.sha256(request_params.encode()).hexdigest()[:16]
+    return f"generate-{namespace}-{plan_sha256[:16]}-{digest}-shard-{shard_id:05d}"
