@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
-from datagen.engine.dispatcher import Dispatcher, DispatcherStats
+from datagen.engine.dispatcher import Dispatcher
+from datagen.engine.stats import DispatcherStats
 
 __all__ = [
     "ProgressReporter",
