@@ -586,7 +586,7 @@ def test_a_hung_server_is_marked_down_its_requests_finish_elsewhere_and_a_late_a
 
     fake.generate = {"a": then_freeze}
     down: list[str] = []
-    with dispatcher(fake, hang_timeout_s=0.5, on_server_down=lambda e: down.append(e.name)) as d:
+    with dispatcher(fake, hang_timeout_s=1.5, on_server_down=lambda e: down.append(e.name)) as d:
         futures = [d.submit(job(i)) for i in range(20)]
         assert sent_to_a.wait(10)
         out = results(futures)  # would wait for the thaw (request timeout >= 600 s) without the detector
@@ -612,7 +612,7 @@ def test_when_a_hung_server_answers_first_its_answer_is_kept_once() -> None:
         return ok(body)
 
     fake.generate = {"b": held}
-    with dispatcher(fake, names=("a", "b"), hang_timeout_s=0.5) as d:
+    with dispatcher(fake, names=("a", "b"), hang_timeout_s=1.5) as d:
         fake.frozen.add("a")
         futures = [d.submit(job(i)) for i in range(6)]  # 3 each: a holds 3 it cannot answer
         wait_for(lambda: {s.name: s.state for s in d.stats().servers}["a"] == "down")
@@ -632,11 +632,11 @@ def test_a_slow_server_that_keeps_publishing_is_never_marked_hung() -> None:
     fake = FakeServers()
 
     async def slow(name: str, body: dict[str, Any]) -> httpx.Response:
-        await asyncio.sleep(1.5)  # three hang timeouts per request: latency alone is no hang
+        await asyncio.sleep(4.5)  # three hang timeouts per request: latency alone is no hang
         return ok(body)
 
     fake.generate = {"a": slow, "b": slow}
-    with dispatcher(fake, hang_timeout_s=0.5) as d:  # the fake's /v1/loads answers (no timestamp: answering counts)
+    with dispatcher(fake, hang_timeout_s=1.5) as d:  # the fake's /v1/loads answers (no timestamp: answering counts)
         out = results([d.submit(job(i)) for i in range(12)])
         stats = d.stats()
     assert len(out) == 12 and {s.state for s in stats.servers} == {"up"} and stats.requeued == 0
@@ -654,7 +654,7 @@ def test_a_scheduler_whose_load_timestamp_stands_still_is_hung_though_http_answe
     fake.generate = {"a": stuck}
     fake.stamps["a"] = 1000.0  # SGLang's snapshot time: published by the scheduler loop, which is stuck
     fake.stamps["b"] = 1000.0
-    with dispatcher(fake, hang_timeout_s=0.5) as d:
+    with dispatcher(fake, hang_timeout_s=1.5) as d:
         out = results([d.submit(job(i)) for i in range(10)])
         states = {s.name: s.state for s in d.stats().servers}
         release.set()
