@@ -18,7 +18,8 @@ from typing import Any, cast
 from uuid import UUID
 
 from datagen.checkpoint import read_rows
-from datagen.engine.dispatcher import Dispatcher, DispatcherStats
+from datagen.engine.dispatcher import Dispatcher
+from datagen.engine.stats import DispatcherStats
 
 __all__ = [
     "ProgressReporter",

@@ -65,6 +65,12 @@ class Settings(BaseSettings):
     )
 
     server_start_timeout_s: float = Field(1800.0, gt=0, description="How long a server may take to become healthy.")
+    server_hang_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="A server with requests that shows no progress this long (no request finished, no new "
+        "scheduler snapshot in /v1/loads) is marked down and its requests go to the others.",
+    )
 
     # --- Local state -------------------------------------------------------------------------
     work_dir: Path = Field(

@@ -8,6 +8,7 @@ references (paths, counts, checksums), never the records themselves.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, cast
@@ -34,6 +35,7 @@ from datagen.checks import CheckResult
 from datagen.dataset_card import Lineage, write_dataset_card
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.launcher import ServerFleet
+from datagen.engine.stats import DispatcherStats
 from datagen.identity import generation_cache_key
 from datagen.layout import RunLayout
 from datagen.runspec import AUTO_NAMESPACE, QualityGate, RunSpec
@@ -51,6 +53,7 @@ from tasks import (
     tokenization,
     validation,
 )
+from tasks.serving import serving
 
 __all__ = ["EnvironmentCheckFailed", "expand_dataset", "finish_dataset"]
 
@@ -230,6 +233,70 @@ def finish_dataset(
     return tokenized
 
 
+@dataclass(frozen=True, slots=True)
+class _Generated:
+    shard_results: list[generation.ShardResult]  # in shard order
+    final_stats: DispatcherStats | None = None  # None when no server was needed
+    throughput: list[tuple[str, float]] = field(default_factory=list)
+    engine_version: str | None = None
+
+
+def _generate(
+    settings: Settings,
+    spec: RunSpec,
+    layout: RunLayout,
+    chat: ChatTokenizer,
+    plan: planning.ShardPlan,
+    pending: dict[int, int],
+    stream: finishing.StreamingFinish,
+    progress_id: UUID,
+    clock: report.StageClock,
+) -> _Generated:
+    """Every shard generated (validated and tokenized as each is done); servers only when a shard has work left."""
+    logger = get_run_logger()
+    if not any(pending.values()):  # a retry whose shards are all checkpointed loads no model
+        logger.info("all %d shards are already generated (checkpoints): no servers started", len(plan.shard_ids))
+        results = _generate_shards(plan, spec, layout, chat, None, stream)
+        description = f"Generation of {spec.namespace}: all prompts settled before"
+        update_progress_artifact(artifact_id=progress_id, progress=100.0, description=description)
+        return _Generated(results)
+    with serving(settings, spec, layout, start=start_servers_task) as served:
+        clock.mark("server start")
+        settled_before = plan.n_prompts - sum(pending.values())
+        label = f"Generation of {spec.namespace}: "
+        reporter = report.ProgressReporter(
+            served.dispatcher, plan.n_prompts, settled_before, progress_id, logger, label=label
+        )
+        with reporter as progress:
+            results = _generate_shards(plan, spec, layout, chat, served.dispatcher, stream)
+        if progress.last_stats is not None:
+            logger.info("%s", progress.last_stats.line())
+        return _Generated(results, progress.last_stats, progress.throughput_series(), served.fleet.engine_version)
+
+
+def _generate_shards(
+    plan: planning.ShardPlan,
+    spec: RunSpec,
+    layout: RunLayout,
+    chat: ChatTokenizer,
+    dispatcher: Dispatcher | None,
+    stream: finishing.StreamingFinish,
+) -> list[generation.ShardResult]:
+    """One generate task per shard; each shard is validated and tokenized once it and those before it are done."""
+    futures = [
+        generate_shard_task.with_options(result_storage=layout.root / "task-results").submit(
+            shard_id, plan.plan_sha256, chat.fingerprint, spec, layout, dispatcher, chat
+        )
+        for shard_id in plan.shard_ids
+    ]
+    results: list[generation.ShardResult] = []
+    for future in as_completed(futures):
+        results.append(future.result())
+        for ready in stream.ready(results[-1]):
+            finish_shard_task(stream, ready)  # while later shards generate
+    return sorted(results, key=lambda r: r.shard_id)
+
+
 @flow(
     name="expand-dataset",
     task_runner=cast("TaskRunner[PrefectFuture[Any]]", ThreadPoolTaskRunner(max_workers=SHARDS_IN_FLIGHT)),
@@ -312,7 +379,6 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         reused = import_pilot_task(RunLayout.for_run(settings.work_dir, spec.pilot), layout, plan, spec, chat)
         logger.info("reused %d completions of pilot %s", reused.imported_completions, spec.pilot)
 
-    shard_results: list[generation.ShardResult] = []
     progress_id = cast(
         UUID,
         create_progress_artifact(
@@ -321,65 +387,12 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
             description=f"Generation of {spec.namespace}: prompts with a result, of {plan.n_prompts}",
         ),
     )
-    # Servers only for shards with work left: a retry whose shards are all checkpointed loads no model.
     pending = pending_task(plan.shard_ids, layout, chat, spec)
-    final_stats = None
-    stream: finishing.StreamingFinish | None = None  # set when servers run; otherwise finish_dataset makes one
-    throughput: list[tuple[str, float]] = []
-    server_version = None
-    if not any(pending.values()):
-        logger.info("all %d shards are already generated (checkpoints): no servers started", len(plan.shard_ids))
-        futures = [
-            generate_shard_task.with_options(result_storage=layout.root / "task-results").submit(
-                shard_id, plan.plan_sha256, chat.fingerprint, spec, layout, None, chat
-            )
-            for shard_id in plan.shard_ids
-        ]
-        shard_results = [f.result() for f in as_completed(futures)]
-        update_progress_artifact(
-            artifact_id=progress_id,
-            progress=100.0,
-            description=f"Generation of {spec.namespace}: all prompts settled before",
-        )
-    else:
-        api_key = provisioning.api_key_for(settings)
-        fleet = provisioning.provision(settings, spec, layout, api_key)
-        try:
-            # A named task, so a server that fails to start shows as a red task with its log lines.
-            start_servers_task(fleet)
-            clock.mark("server start")
-            stream = finishing.StreamingFinish(plan.shard_ids, layout, chat, spec)
-            with (
-                Dispatcher(fleet.endpoints, on_server_down=fleet.restart) as dispatcher,
-                report.ProgressReporter(
-                    dispatcher,
-                    plan.n_prompts,
-                    plan.n_prompts - sum(pending.values()),
-                    progress_id,
-                    logger,
-                    label=f"Generation of {spec.namespace}: ",
-                ) as progress,
-            ):
-                dispatcher.wait_ready(settings.server_start_timeout_s)  # every server contacted before shards submit
-                futures = [
-                    generate_shard_task.with_options(result_storage=layout.root / "task-results").submit(
-                        shard_id, plan.plan_sha256, chat.fingerprint, spec, layout, dispatcher, chat
-                    )
-                    for shard_id in plan.shard_ids
-                ]
-                for future in as_completed(futures):
-                    shard_results.append(future.result())
-                    for ready in stream.ready(shard_results[-1]):
-                        finish_shard_task(stream, ready)  # validated and tokenized while later shards generate
-            final_stats, throughput = progress.last_stats, progress.throughput_series()
-            if final_stats is not None:
-                logger.info("%s", final_stats.line())
-            server_version = fleet.engine_version
-        finally:
-            fleet.stop()
+    stream = finishing.StreamingFinish(plan.shard_ids, layout, chat, spec)
+    generated = _generate(settings, spec, layout, chat, plan, pending, stream, progress_id, clock)
+    shard_results, final_stats = generated.shard_results, generated.final_stats
     clock.mark("generation")
 
-    shard_results.sort(key=lambda r: r.shard_id)
     tokenized = finish_dataset(spec, layout, chat, plan.n_load_rejects, shard_results, run_id, stream)
     clock.mark("validation + tokenization")
     lineage = {
@@ -388,7 +401,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         "model_fingerprint": chat.fingerprint,
         "chat_template_hash": chat.template_hash,
         "engine": settings.engine,
-        "engine_version": server_version,
+        "engine_version": generated.engine_version,
         "gpu": gpu_description,
         "pipeline_version": datagen.__version__,
         "plan_sha256": plan.plan_sha256,
@@ -428,7 +441,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         generated_tokens=final_stats.output_tokens if final_stats else 0,
         server_s=clock.stages.get("server start", 0.0) + clock.stages.get("generation", 0.0),
         final_stats=final_stats,
-        throughput=throughput,
+        throughput=generated.throughput,
         lengths=report.completion_lengths(Path(r.completions_path) for r in shard_results),
     )
     create_markdown_artifact(

@@ -48,8 +48,9 @@ from datagen.runspec import ExchangeSpec, MultiBoxSpec, RunSpec
 from datagen.settings import Settings
 from datagen.storage import ObjectStore, s3_preflight
 from flows.expand_dataset import check_environment_task, finish_dataset, load_gate_task, plan_task, publish_task
-from tasks import generation, provisioning
+from tasks import generation
 from tasks.planning import ShardPlan
+from tasks.serving import serving
 from tasks.shard_exchange import CheckpointSync, CollectedShard, Lease, ShardExchange, ShardExchangeError
 
 __all__ = ["BoxMismatch", "expand_dataset_multibox", "generate_on_box"]
@@ -133,11 +134,8 @@ def generate_on_box(
     chat = ChatTokenizer.shared(spec.model_path)
     finished: list[generation.ShardResult] = []
     failures: Counter[int] = Counter()
-    with (
-        provisioning.provision(settings, spec, layout, provisioning.api_key_for(settings)) as fleet,
-        Dispatcher(fleet.endpoints, on_server_down=fleet.restart) as dispatcher,
-    ):
-        dispatcher.wait_ready(settings.server_start_timeout_s)  # every server contacted before shards submit
+    with serving(settings, spec, layout) as served:
+        dispatcher, fleet = served.dispatcher, served.fleet
         logger.info("box %s: %d servers up, owner token %s", this_box, len(fleet), sx.owner)
         inflight: dict[PrefectFuture[generation.ShardResult], int] = {}
         while True:

@@ -20,13 +20,13 @@ from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 from datagen import alerts, paths, report
 from datagen.catalog import published_prompt_ids
 from datagen.chat import ChatTokenizer
-from datagen.engine.dispatcher import Dispatcher
 from datagen.layout import RunLayout
 from datagen.runspec import AUTO_NAMESPACE, RunSpec
 from datagen.settings import Settings
 from datagen.storage import ObjectStore
 from flows.expand_dataset import SHARDS_IN_FLIGHT, check_environment_task, generate_shard_task, validate_task
-from tasks import generation, pilot, provisioning
+from tasks import generation, pilot
+from tasks.serving import serving
 
 __all__ = ["pilot_flow"]
 
@@ -60,22 +60,19 @@ def pilot_flow(spec: RunSpec = RunSpec(), pilot_spec: pilot.PilotSpec = pilot.Pi
         raise ValueError("the pilot found no prompts to sample (all published already, or targets of 0)")
     chat = ChatTokenizer.shared(spec.model_path)
 
-    api_key = provisioning.api_key_for(settings)
     results: list[generation.ShardResult] = []
     with (
-        provisioning.provision(settings, spec, layout, api_key) as fleet,
-        Dispatcher(fleet.endpoints, on_server_down=fleet.restart) as dispatcher,
+        serving(settings, spec, layout) as served,
+        pilot.ThroughputProbe(served.dispatcher, served.fleet.endpoints) as probe,
     ):
-        dispatcher.wait_ready(settings.server_start_timeout_s)
-        with pilot.ThroughputProbe(dispatcher, fleet.endpoints) as probe:
-            futures = [
-                generate_shard_task.with_options(result_storage=layout.root / "task-results").submit(
-                    shard_id, plan.plan_sha256, chat.fingerprint, spec, layout, dispatcher, chat
-                )
-                for shard_id in plan.shard_ids
-            ]
-            results = [f.result() for f in as_completed(futures)]
-        throughput = probe.measure()
+        futures = [
+            generate_shard_task.with_options(result_storage=layout.root / "task-results").submit(
+                shard_id, plan.plan_sha256, chat.fingerprint, spec, layout, served.dispatcher, chat
+            )
+            for shard_id in plan.shard_ids
+        ]
+        results = [f.result() for f in as_completed(futures)]
+    throughput = probe.measure()
 
     results.sort(key=lambda r: r.shard_id)
     summary = validate_task(

@@ -1,6 +1,7 @@
 """Long outputs first: predict each prompt's output length and plan shards longest-expected first.
 
-The dispatcher is FIFO and shards are submitted in plan order, so the order of the shard files is the dispatch
+The dispatcher sends requests in plan position order (`GenerateJob.order` = (shard, row); retries and requeued
+requests first), whichever shard worker submitted them and when, so the order of the shard files is the dispatch
 order. Putting the long generations first leaves only short ones for the end of the run, where the last slots
 would otherwise run one long request each while the rest of the GPU idles.
 

@@ -29,15 +29,14 @@ from datagen.engine.client import (
 from datagen.engine.dispatcher import (
     Dispatcher,
     DispatcherClosed,
-    DispatcherStats,
     EngineStalled,
     GenerateJob,
-    PlanOrderTurn,
     RetriesExhausted,
-    ServerStats,
     SubmitTimeout,
     backoff_delay,
 )
+from datagen.engine.gate import PlanOrderGate
+from datagen.engine.stats import DispatcherStats, ServerStats
 from datagen.runspec import SamplingSpec
 
 SAMPLING = sampling_params_for(SamplingSpec(max_new_tokens=16))
@@ -68,11 +67,13 @@ class FakeServers:
         self.capacity_reported = 2  # /server_info's figure
         self.answering = threading.Event()  # clear: /health hangs, as a server that is not contacted yet
         self.answering.set()
+        self.frozen: set[str] = set()  # servers that answer nothing (SIGSTOP): every call waits until thawed
+        self.stamps: dict[str, float] = {}  # a /v1/loads scheduler timestamp that stands still (a stuck scheduler)
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         name = request.url.host
         path = request.url.path
-        while not self.answering.is_set():
+        while not self.answering.is_set() or name in self.frozen:
             await asyncio.sleep(0.01)
         if path == "/health":
             return httpx.Response(200 if self.healthy.get(name, True) else 503)
@@ -85,6 +86,8 @@ class FakeServers:
                 "num_waiting_reqs": self.waiting.get(name, 0),
             }
             load |= {"max_running_requests": self.capacity, "gen_throughput": 100.0}
+            if name in self.stamps:
+                load["timestamp"] = self.stamps[name]
             return httpx.Response(200, json={"loads": [load]})
         body = json.loads(request.content)
         with self.lock:
@@ -96,8 +99,12 @@ class FakeServers:
             handler = self.generate.get(name)
             if handler is None:
                 await asyncio.sleep(0.01)
-                return ok(body)
-            return await handler(name, body)
+                response = ok(body)
+            else:
+                response = await handler(name, body)
+            while name in self.frozen:  # frozen mid-request: the answer waits for the thaw
+                await asyncio.sleep(0.01)
+            return response
         finally:
             with self.lock:
                 self.active[name] -= 1
@@ -500,20 +507,20 @@ def test_progress_line_spells_out_every_figure_and_flags_an_underfed_server() ->
     stats = DispatcherStats(
         elapsed_s=60, submitted=200, completed=1234, rejected=3, failed=0, retries=2, requeued=0, output_tokens=1,
         queued=0, in_flight=72, completions_per_s=8.5, output_tokens_per_s=13734.0, eta_s=192.0, servers=servers,
-        unsent=50, queue_limit=204, blocked_submitters=0,
+        to_submit=50, queue_limit=204, blocked_submitters=0,
     )  # fmt: skip
     line = stats.line()
-    assert line.startswith("generation: 1,234 done, 3 rejected, 0 failed; 50 unsent, 0 queued (limit 204), 72 in")
+    assert line.startswith("generation: 1,234 done, 3 rejected, 0 failed; 50 to submit, 0 queued (limit 204), 72 in")
     assert "13.7k tok/s, 8.50 req/s, 2 retries, ETA 3.2 min" in line
     assert "gpu0 up, 68/68 in flight (64 running, 4 queued there), 12.8k tok/s" in line
     assert "gpu1 up, 4/68 in flight (4 running, 0 queued there), 950 tok/s" in line
     assert "gpu2 starting, 0/0 in flight (server load not read yet)" in line
     assert stats.underfed == ["gpu1"] and line.endswith("UNDERFED: gpu1 below their number while requests wait")
-    assert dataclasses.replace(stats, unsent=0).underfed == []  # nothing waits: a server below target is fine
+    assert dataclasses.replace(stats, to_submit=0).underfed == []  # nothing waits: a server below target is fine
 
 
 def test_plan_order_turn_goes_to_the_lowest_waiting_plan_position_not_the_first_to_come() -> None:
-    turn = PlanOrderTurn()
+    turn = PlanOrderGate(1)
     order: list[int] = []
     holder_in, release = threading.Event(), threading.Event()
 
@@ -535,10 +542,10 @@ def test_plan_order_turn_goes_to_the_lowest_waiting_plan_position_not_the_first_
         t.start()
         waiters.append(t)
         for _ in range(3000):  # until it waits (at most 30 s)
-            if len(turn._waiting) == len(waiters):
+            if turn.waiting == len(waiters):
                 break
             threading.Event().wait(0.01)
-        assert len(turn._waiting) == len(waiters)
+        assert turn.waiting == len(waiters)
     release.set()
     for t in [first, *waiters]:
         t.join(30)
@@ -546,4 +553,109 @@ def test_plan_order_turn_goes_to_the_lowest_waiting_plan_position_not_the_first_
     # Free again: the next caller takes it at once.
     with turn((7, 0)):
         order.append(7)
-    assert order[-1] == 7 and not turn._held
+    assert order[-1] == 7 and turn.held == 0
+
+
+def test_queue_limit_follows_servers_going_down_and_coming_back() -> None:
+    fake = FakeServers()
+
+    async def refused(name: str, body: dict[str, Any]) -> httpx.Response:
+        fake.healthy["a"] = False  # a dead process: /health is refused too
+        raise httpx.ConnectError("connection refused")
+
+    with dispatcher(fake, probe_interval_s=0.05) as d:
+        assert d.queue_limit == 2 * (2 + 1)  # two servers, 2 slots + a queue of 1 each
+        fake.generate = {"a": refused}
+        results([d.submit(job(i)) for i in range(10)])
+        wait_for(lambda: {s.name: s.state for s in d.stats().servers}["a"] == "down")
+        assert d.queue_limit == 2 + 1  # only b is live: the queue holds one round of b, not of a dead server too
+        fake.generate = {}
+        fake.healthy["a"] = True
+        wait_for(lambda: {s.name: s.state for s in d.stats().servers}["a"] == "up")
+        assert d.queue_limit == 2 * (2 + 1)
+
+
+def test_a_hung_server_is_marked_down_its_requests_finish_elsewhere_and_a_late_answer_is_dropped() -> None:
+    fake = FakeServers()
+    sent_to_a = threading.Event()
+
+    async def then_freeze(name: str, body: dict[str, Any]) -> httpx.Response:
+        fake.frozen.add("a")  # the process stops mid-request: no answer, no /v1/loads, no /health
+        sent_to_a.set()
+        return ok(body)
+
+    fake.generate = {"a": then_freeze}
+    down: list[str] = []
+    with dispatcher(fake, hang_timeout_s=1.5, on_server_down=lambda e: down.append(e.name)) as d:
+        futures = [d.submit(job(i)) for i in range(20)]
+        assert sent_to_a.wait(10)
+        out = results(futures)  # would wait for the thaw (request timeout >= 600 s) without the detector
+        stats = d.stats()
+        assert {s.name: s.state for s in stats.servers}["a"] == "down" and down == ["a"]
+        assert "no progress" in {s.name: s.last_error for s in stats.servers}["a"]
+        fake.generate = {}
+        fake.frozen.clear()  # thawed: what it still held was settled elsewhere
+        wait_for(lambda: {s.name: s.state for s in d.stats().servers}["a"] == "up")
+        stats = d.stats()
+    assert sorted(r.output_ids[0] for r in out) == list(range(20))
+    assert stats.completed == 20 and stats.failed == 0  # each request settled once
+    assert stats.in_flight == 0
+
+
+def test_when_a_hung_server_answers_first_its_answer_is_kept_once() -> None:
+    fake = FakeServers()
+    b_open = threading.Event()
+
+    async def held(name: str, body: dict[str, Any]) -> httpx.Response:
+        while not b_open.is_set():  # b is busy elsewhere: the copies wait there
+            await asyncio.sleep(0.01)
+        return ok(body)
+
+    fake.generate = {"b": held}
+    with dispatcher(fake, names=("a", "b"), hang_timeout_s=1.5) as d:
+        fake.frozen.add("a")
+        futures = [d.submit(job(i)) for i in range(6)]  # 3 each: a holds 3 it cannot answer
+        wait_for(lambda: {s.name: s.state for s in d.stats().servers}["a"] == "down")
+        fake.frozen.clear()  # a thaws before b answers anything: a's three answers come first
+        wait_for(lambda: sum(f.done() for f in futures) == 3)
+        assert {f.result().server for f in futures if f.done()} == {"a"}
+        b_open.set()
+        out = results(futures)
+        wait_for(lambda: d.stats().in_flight == 0)
+        stats = d.stats()
+    assert sorted(r.output_ids[0] for r in out) == list(range(6))
+    assert sum(r.server == "a" for r in out) == 3
+    assert stats.completed == 6  # a's copies on b were dropped, not counted twice
+
+
+def test_a_slow_server_that_keeps_publishing_is_never_marked_hung() -> None:
+    fake = FakeServers()
+
+    async def slow(name: str, body: dict[str, Any]) -> httpx.Response:
+        await asyncio.sleep(4.5)  # three hang timeouts per request: latency alone is no hang
+        return ok(body)
+
+    fake.generate = {"a": slow, "b": slow}
+    with dispatcher(fake, hang_timeout_s=1.5) as d:  # the fake's /v1/loads answers (no timestamp: answering counts)
+        out = results([d.submit(job(i)) for i in range(12)])
+        stats = d.stats()
+    assert len(out) == 12 and {s.state for s in stats.servers} == {"up"} and stats.requeued == 0
+
+
+def test_a_scheduler_whose_load_timestamp_stands_still_is_hung_though_http_answers() -> None:
+    fake = FakeServers()
+    release = threading.Event()
+
+    async def stuck(name: str, body: dict[str, Any]) -> httpx.Response:
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+        return ok(body)
+
+    fake.generate = {"a": stuck}
+    fake.stamps["a"] = 1000.0  # SGLang's snapshot time: published by the scheduler loop, which is stuck
+    fake.stamps["b"] = 1000.0
+    with dispatcher(fake, hang_timeout_s=1.5) as d:
+        out = results([d.submit(job(i)) for i in range(10)])
+        states = {s.name: s.state for s in d.stats().servers}
+        release.set()
+    assert {r.server for r in out} == {"b"} and states["a"] == "down"

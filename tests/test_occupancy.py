@@ -26,7 +26,8 @@ from pydantic import SecretStr
 
 from datagen.chat import ChatTokenizer
 from datagen.endpoints import ServerEndpoint
-from datagen.engine.dispatcher import Dispatcher, DispatcherStats
+from datagen.engine.dispatcher import Dispatcher
+from datagen.engine.stats import DispatcherStats
 from datagen.identity import prompt_id_from_messages
 from datagen.layout import RunLayout
 from datagen.model_fixture import ensure_model_dir
@@ -225,7 +226,7 @@ def check(results: list[ShardResult], occupancy: Occupancy, stats: DispatcherSta
     assert occupancy.final_received == total  # every request reached a server, once
     assert {s.capacity for s in stats.servers} == {SLOTS}
     assert stats.queue_limit == SERVERS * (SLOTS + QUEUE_DEPTH)
-    assert stats.unsent == 0 and stats.queued == 0 and stats.in_flight == 0
+    assert stats.to_submit == 0 and stats.queued == 0 and stats.in_flight == 0
     assert_kept_full(occupancy, total)
 
 

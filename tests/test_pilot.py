@@ -12,7 +12,8 @@ from datagen.engine.client import sampling_params_for
 from datagen.engine.dispatcher import Dispatcher, GenerateJob
 from datagen.layout import RunLayout
 from datagen.model_fixture import ensure_model_dir
-from datagen.records import Prompt
+from datagen.quality import ValidationSummary
+from datagen.records import Prompt, Reject
 from datagen.runspec import PromptSource, QualityGate, RunSpec, SamplingSpec
 from datagen.standin.testing import run_standin
 from flows.expand_dataset import expand_dataset
@@ -22,15 +23,19 @@ from tasks.pilot import (
     PILOT_JSON,
     PILOT_MARKDOWN,
     DecodeModel,
+    PilotPopulation,
     PilotSpec,
     ServerReading,
     ThroughputProbe,
     dispatch_order,
     expand_population,
     fit_decode_model,
+    project,
     simulate_slots,
     simulate_wall,
 )
+from tasks.planning import ShardEntry, ShardPlan
+from tasks.selection import SelectionReport
 
 
 def _lines(paths: list[Path]) -> set[bytes]:
@@ -195,3 +200,84 @@ def test_probe_measures_decode_speed_on_a_server_that_counts_tokens_at_finish() 
     ideal = slots / (step_ms / 1000.0)  # 200 tok/s: every running request advances one token per step
     # The stand-in's clock catches up after a starved moment, never runs ahead: allow a loaded machine's lag.
     assert 0.6 * ideal <= measured["aggregate_tokens_per_s"] <= 1.05 * ideal, measured
+
+
+def _checkpoint_line(source: str, row: int, prompt_tokens: int, completion_tokens: int) -> str:
+    """One completion row as the shard checkpoint holds it (every field a Completion writes)."""
+    record = {
+        "prompt_id": f"{source}-{row}",
+        "source": source,
+        "row": row,
+        "messages": [{"role": "user", "content": "q" * (10 + row)}],
+        "request_key": f"key-{source}-{row}",
+        "prompt_tokens": prompt_tokens,
+        "output_ids": [1] * completion_tokens,
+        "text": "",
+        "finish_reason": "stop",
+        "completion_tokens": completion_tokens,
+        "server": "gpu0",
+        "latency_s": 1.0,
+        "category": source,
+        "meta": {},
+        "location": None,
+    }
+    return json.dumps(record) + "\n"
+
+
+def _hand_case(tmp_path: Path) -> tuple[RunLayout, ShardPlan, PilotPopulation, ValidationSummary]:
+    """Source a: 100 prompts, sampled 5 (4 completed with 10/20/30/40 tokens, prompts of 5; 1 rejected while
+    generating). Source b: 50 prompts, sampled 2 (100/200 tokens, prompts of 10); validation rejects 1."""
+    layout = RunLayout(tmp_path)
+    layout.shard_completions(0).parent.mkdir(parents=True, exist_ok=True)
+    rows = [("a", i, 5, n) for i, n in enumerate((10, 20, 30, 40))] + [("b", 0, 10, 100), ("b", 1, 10, 200)]
+    layout.shard_completions(0).write_text("".join(_checkpoint_line(*r) for r in rows))
+    reject = Reject(stage="generate", reason="server_rejected", detail="400", source="a", row=9)
+    layout.shard_rejects(0).write_text(reject.to_json() + "\n")
+    plan = ShardPlan(
+        shard_size=7, shard_ids=[0], shards=[ShardEntry(shard_id=0, n_prompts=7, sha256="0" * 64)], n_rows=7,
+        n_prompts=7, n_load_rejects=0, prompts_by_source={"a": 5, "b": 2}, load_rejects_by_source={},
+        load_rejects_by_reason={}, prompts_by_category={"a": 5, "b": 2}, n_uncategorized=0,
+        load_rejects_sha256="0" * 64, plan_sha256="0" * 64,
+    )  # fmt: skip
+    population = PilotPopulation(
+        population_by_source={"a": 100, "b": 50}, sample_by_source={"a": 5, "b": 2}, selection=SelectionReport()
+    )
+    return layout, plan, population, ValidationSummary(rejected_by_source={"b": 1})
+
+
+def test_projection_of_a_hand_computed_case_at_the_pilots_whole_run_rate(tmp_path: Path) -> None:
+    layout, plan, population, summary = _hand_case(tmp_path)
+    p = project(layout, plan, population, summary, {"aggregate_tokens_per_s": 100.0, "servers": 2}, 4, PilotSpec())
+    # a: 100 tokens over 5 sampled = 20 per prompt -> 2,000; accept 4/5; rows of 5+25 tokens on average = 30.
+    # b: 300 tokens over 2 = 150 per prompt -> 7,500; accept 1/2 (validation); rows of 10+150 = 160.
+    out, pr = p.output_tokens, p.projection
+    assert out["by_source"]["a"]["projected_tokens"] == 2000 and out["by_source"]["b"]["projected_tokens"] == 7500
+    assert out["by_source"]["a"]["reject_rate"] == 0.2 and out["by_source"]["b"]["reject_rate"] == 0.5
+    assert out["projected_total"] == 9500 and out["pilot_total"] == 400
+    assert out["mean_per_prompt_projected"] == 63.3  # 9,500 / 150
+    assert pr["reject_rate"] == 0.3  # (0.2 x 100 + 0.5 x 50) / 150
+    assert pr["rows"] == 105  # 0.8 x 100 + 0.5 x 50
+    assert pr["dataset_tokens"] == 6400  # 80 x 30 + 25 x 160
+    assert pr["dataset_bytes_uncompressed"] == 6400 * 5
+    # 100 tok/s over 2 servers = 50 per server; 4 servers: 9,500 / 200 = 47.5 s; reusing the pilot 9,100 / 200.
+    assert p.throughput["per_server_tokens_per_s"] == 50.0
+    assert (pr["wall_s"], pr["wall_s_fifo"], pr["wall_s_reusing_pilot"]) == (47.5, 47.5, 45.5)
+    assert pr["wall_s_saturated_bound"] == 47.5 and pr["tail_s"] == 0.0
+    assert pr["gpu_hours"] == pytest.approx(47.5 / 3600 * 4)
+
+
+def test_projection_of_a_hand_computed_case_with_the_decode_model(tmp_path: Path) -> None:
+    layout, plan, population, summary = _hand_case(tmp_path)
+    # One server, one slot, 10 ms per token at any batch: the wall is every token of the set one after another.
+    throughput = {
+        "aggregate_tokens_per_s": 100.0, "servers": 1, "step_base_s": 0.01, "step_per_req_s": 0.0,
+        "slots_per_server": 1, "ramp_s": 2.0,
+    }  # fmt: skip
+    p = project(layout, plan, population, summary, throughput, 1, PilotSpec())
+    pr = p.projection
+    # Completing prompts of the full set: a 100 x 4/5 = 80 (each sample 20 times: 2,000 tokens), b 50 (7,500).
+    assert pr["wall_s"] == pytest.approx(2.0 + 95.0) and pr["wall_s_fifo"] == pytest.approx(2.0 + 95.0)
+    # Not sampled yet: a 95 x 4/5 = 76 (19 each: 1,900 tokens), b 48 (24 each: 7,200) -> 91 s.
+    assert pr["wall_s_reusing_pilot"] == pytest.approx(2.0 + 91.0)
+    assert pr["wall_s_saturated_bound"] == 95.0 and pr["tail_s"] == pytest.approx(2.0)
+    assert pr["method"].startswith("simulated")

@@ -15,7 +15,7 @@ import pytest
 from datagen import report
 from datagen.cli import main as cli_main
 from datagen.cli import summary_text
-from datagen.engine.dispatcher import DispatcherStats, ServerStats
+from datagen.engine.stats import DispatcherStats, ServerStats
 from datagen.inspection import inspect_namespace, list_namespaces
 from datagen.records import REJECT_SCHEMA
 from datagen.runspec import RunSpec

@@ -82,8 +82,10 @@ def test_only_one_of_racing_boxes_wins_a_claim(s3_store: ObjectStore) -> None:
     boxes = [_exchange(s3_store, f"box-{i}", clock) for i in range(4)]
     wins: list[str] = []
     lock = threading.Lock()
+    start = threading.Barrier(len(boxes))  # all four ask at once
 
     def race(sx: ShardExchange) -> None:
+        start.wait(timeout=30)
         if sx.try_claim(7) is not None:
             with lock:
                 wins.append(sx.box)
@@ -94,10 +96,10 @@ def test_only_one_of_racing_boxes_wins_a_claim(s3_store: ObjectStore) -> None:
     for t in threads:
         t.join()
     claims = boxes[0].claims(7)
-    assert len(wins) >= 1
-    # Every win is a distinct claim number; the highest one owns the shard.
-    assert sorted(c.box for c in claims) == sorted(wins)
-    assert len({c.seq for c in claims}) == len(claims)
+    assert len(wins) == 1  # exactly one box owns the shard; the others see its live lease or lose the write
+    assert [(c.seq, c.box) for c in claims] == [(1, wins[0])]  # one claim, number 1, by the winner
+    late = [sx.try_claim(7) for sx in boxes if sx.box != wins[0]]  # losers that ask again while the lease lives
+    assert late == [None, None, None] and len(boxes[0].claims(7)) == 1
 
 
 def test_sync_uploads_complete_new_rows_as_parts_and_restore_resumes_elsewhere(

@@ -1,4 +1,4 @@
-"""Talking to generation servers: the HTTP client and the box-wide continuous dispatcher."""
+"""Talking to generation servers: the HTTP client, the box-wide continuous dispatcher and its gate and stats."""
 
 from datagen.engine.client import (
     SAMPLING_KEYS,
@@ -18,13 +18,13 @@ from datagen.engine.client import (
 from datagen.engine.dispatcher import (
     Dispatcher,
     DispatcherClosed,
-    DispatcherStats,
     EngineStalled,
     GenerateJob,
     RetriesExhausted,
-    ServerStats,
     SubmitTimeout,
 )
+from datagen.engine.gate import GateClosed, PlanOrderGate
+from datagen.engine.stats import DispatcherStats, ServerStats
 
 __all__ = [
     "SAMPLING_KEYS",
@@ -34,9 +34,11 @@ __all__ = [
     "DispatcherStats",
     "EngineError",
     "EngineStalled",
+    "GateClosed",
     "GenerateJob",
     "GenerateResult",
     "LoadInfo",
+    "PlanOrderGate",
     "ProtocolError",
     "RequestRejected",
     "RequestTimeout",

@@ -4,11 +4,12 @@ All shard workers submit into one shared queue, so the servers never drain at a 
 is ordered by each job's plan position (`GenerateJob.order`), so concurrent shard workers cannot reorder the
 plan (long outputs first); requeued and retried requests go ahead of new ones.
 
-Back-pressure lives here and nowhere else: `submit` blocks while the queue of requests not yet sent holds
-`queue_limit` of them, a live figure (one round of every server's running capacity plus its small queue) that
-follows what the dispatcher learns: capacities seeded from provisioning (`ServerEndpoint.max_running_requests`),
-then read from each server, and servers going down or coming back. Callers keep no window of their own, so
-none can freeze a figure learned later. Blocked submitters are let in lowest plan position first.
+Back-pressure lives here and nowhere else: `submit` takes a place at a `PlanOrderGate` (gate.py) whose
+capacity is `queue_limit`, a live figure (one round of every live server's running capacity plus its small
+queue) that follows what the dispatcher learns: capacities seeded from provisioning
+(`ServerEndpoint.max_running_requests`), then read from each server, and servers going down (their share
+leaves the limit) or coming back. The place is given back once the request is sent. Callers keep no window of
+their own, so none can freeze a figure learned later. Blocked submitters are let in lowest plan position first.
 
 The dispatcher runs its own asyncio loop in a background thread; `submit` is thread-safe and returns a
 `concurrent.futures.Future` that ends with a `GenerateResult` or one of these errors:
@@ -23,15 +24,22 @@ The dispatcher runs its own asyncio loop in a background thread; `submit` is thr
 A server that refuses connections, or that drops one or times out repeatedly and then fails its health
 probe, is marked down; its in-flight requests go back to the front of the queue (without using up their
 attempts) and it is probed until healthy again.
+
+A hung server (a frozen process, a stuck scheduler) neither refuses nor answers: it is found by its lack of
+progress, not its latency. With requests there, a server that finished none and whose scheduler published no
+new `/v1/loads` snapshot (SGLang stamps each with the scheduler's time; the HTTP side answers even while the
+scheduler is stuck) for `hang_timeout_s` is marked down and its requests are queued again, their attempts
+there left running: whichever answer arrives first settles a request, once, and the other is dropped. A
+slow, loaded server keeps finishing requests and publishing snapshots, so it is never taken for hung.
+Detection takes at most `hang_timeout_s` plus one watchdog tick (1 s); the requeued requests then go out at
+once wherever there is room.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import collections
 import concurrent.futures
-import contextlib
 import heapq
 import itertools
 import logging
@@ -39,7 +47,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,16 +66,16 @@ from datagen.engine.client import (
     SGLangClient,
     TransientError,
 )
+from datagen.engine.gate import GateClosed, PlanOrderGate
+from datagen.engine.stats import DispatcherStats, ServerStats
 from datagen.redact import redact_text
 
 __all__ = [
     "Dispatcher",
     "DispatcherClosed",
-    "DispatcherStats",
     "EngineStalled",
     "GenerateJob",
     "RetriesExhausted",
-    "ServerStats",
     "SubmitTimeout",
     "backoff_delay",
 ]
@@ -105,97 +113,6 @@ class GenerateJob:
     order: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class ServerStats:
-    """One server's state and progress."""
-
-    name: str
-    state: str  # "starting" | "up" | "down" | "fatal"
-    capacity: int  # running slots: read from the server, or seeded from provisioning until it is contacted
-    target: int  # requests the dispatcher keeps in flight there (capacity + a small queue, less when it lags)
-    in_flight: int  # requests sent to it and not answered yet (running + waiting in its own queue)
-    waiting: int | None  # requests waiting in the server's own queue (its /v1/loads); None until read
-    completed: int
-    output_tokens: int
-    tokens_per_s: float
-    last_error: str
-    running: int | None = None  # requests the server says it runs (its /v1/loads); None until read
-
-    def part(self) -> str:
-        """Its part of the progress line: `gpu0 up, 68/68 in flight (64 running, 4 queued there), 12.8k tok/s`."""
-        if self.running is None or self.waiting is None:
-            there = "server load not read yet"
-        else:
-            there = f"{self.running} running, {self.waiting} queued there"
-        rate = _si(self.tokens_per_s)
-        return f"{self.name} {self.state}, {self.in_flight}/{self.target} in flight ({there}), {rate} tok/s"
-
-
-@dataclass(frozen=True, slots=True)
-class DispatcherStats:
-    """A snapshot of the dispatcher's counters (thread-safe copy)."""
-
-    elapsed_s: float
-    submitted: int
-    completed: int
-    rejected: int
-    failed: int
-    retries: int
-    requeued: int
-    output_tokens: int
-    queued: int
-    in_flight: int
-    completions_per_s: float
-    output_tokens_per_s: float
-    eta_s: float | None
-    servers: list[ServerStats]
-    unsent: int = 0  # announced by shard workers (`add_expected`) and not submitted yet
-    queue_limit: int = 0  # most requests the queue holds before `submit` blocks (live figure)
-    blocked_submitters: int = 0  # threads waiting in `submit` for room in the queue
-
-    @property
-    def underfed(self) -> list[str]:
-        """Up servers with room for more while requests wait to be sent: the servers run below what they could."""
-        if not (self.queued or self.unsent):
-            return []
-        return [s.name for s in self.servers if s.state == "up" and s.in_flight < s.target]
-
-    def line(self) -> str:
-        """One log line, e.g.::
-
-            generation: 1,234 done, 3 rejected, 0 failed; 1,700 unsent, 608 queued (limit 608, 12 shard workers
-            waiting for room), 544 in flight; 98.1k tok/s, 66.00 req/s, 0 retries, ETA 0.4 min | gpu0 up, 68/68 in
-            flight (64 running, 4 queued there), 12.8k tok/s; gpu1 ...
-
-        Fields: done / rejected (the server refused the prompt) / failed (no result: retries used up, stall);
-        unsent: requests the shard workers announced and have not handed to the dispatcher yet; queued: handed
-        to the dispatcher, not yet sent to a server (retries waiting out their backoff included); limit: how many
-        the queue takes before shard workers block (one round of every server's capacity plus its small queue),
-        and how many are blocked on it now; in flight: sent, not answered. Rates are over the last minute; ETA
-        from that rate. Per server: state (starting, up, down, fatal), in flight / the number the dispatcher
-        keeps there, what the server itself reports running and queued (its /v1/loads, polled every few
-        seconds), its output tokens/s. `UNDERFED` names up servers below their number while requests wait: the
-        servers are not being kept full.
-        """
-        eta = f"{self.eta_s / 60:.1f} min" if self.eta_s is not None else "?"
-        waiting = f", {self.blocked_submitters} shard workers waiting for room" if self.blocked_submitters else ""
-        text = (
-            f"generation: {self.completed:,} done, {self.rejected:,} rejected, {self.failed:,} failed; "
-            f"{self.unsent:,} unsent, {self.queued:,} queued (limit {self.queue_limit:,}{waiting}), "
-            f"{self.in_flight:,} in flight; {_si(self.output_tokens_per_s)} tok/s, {self.completions_per_s:.2f} "
-            f"req/s, {self.retries:,} retries, ETA {eta} | " + "; ".join(s.part() for s in self.servers)
-        )
-        underfed = self.underfed
-        if underfed:
-            text += f" | UNDERFED: {', '.join(underfed)} below their number while requests wait"
-        return text
-
-
-def _si(x: float) -> str:
-    """12784 -> 12.8k, 950 -> 950."""
-    return f"{x / 1000:.1f}k" if x >= 1000 else f"{x:.0f}"
-
-
 @dataclass(eq=False, slots=True)
 class _Work:
     job: GenerateJob
@@ -208,60 +125,17 @@ class _Work:
     errors: list[str] = field(default_factory=list)
     seq: int = 0  # arrival number: ties in job.order go first come, first served
     counted: bool = True  # holds a place under queue_limit (until first sent, or done without being sent)
+    waiting: bool = False  # in the queue now (never twice)
+    # Attempts running now and where: usually one; more while a hung server's attempt runs on beside its copy.
+    running: dict[asyncio.Task[None], _ServerState] = field(default_factory=dict)
 
     def queue_key(self, requeued: bool) -> tuple[int, tuple[int, ...], int]:
         # Requeued work (its server went down, or a retry came due) goes before anything not yet started.
         return (0 if requeued else 1, self.job.order, self.seq)
 
 
-@dataclass(order=True, slots=True)
-class _Blocked:
-    """A submitter waiting for room: ordered by (plan position, arrival)."""
-
-    key: tuple[tuple[int, ...], int]
-    event: threading.Event = field(default_factory=threading.Event, compare=False)
-    granted: bool = field(default=False, compare=False)
-
-
-class PlanOrderTurn:
-    """One holder at a time; waiters get the turn lowest plan position first (not first come).
-
-    Shard workers prepare requests (render the chat template, tokenize) under it. When the servers are the
-    bottleneck, the dispatcher's own queue already lets requests in plan order; when the client is (fast
-    servers, a busy CPU), the queue has room and every shard worker would tokenize at once, so all shards
-    advance together and finish together: the turn keeps the lowest shards first there too, so they finish
-    first and are validated and tokenized while the rest still generate.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._held = False
-        self._waiting: list[_Blocked] = []
-        self._tickets = itertools.count()
-
-    @contextlib.contextmanager
-    def __call__(self, order: tuple[int, ...]) -> Iterator[None]:
-        with self._lock:
-            if not self._held and not self._waiting:
-                self._held = True
-                me = None
-            else:
-                me = _Blocked((order, next(self._tickets)))
-                bisect.insort(self._waiting, me)
-        if me is not None:
-            me.event.wait()
-        try:
-            yield
-        finally:
-            with self._lock:
-                if self._waiting:
-                    self._waiting.pop(0).event.set()  # handed over: still held
-                else:
-                    self._held = False
-
-
 @dataclass(eq=False, slots=True)
-class _Server:
+class _ServerState:
     endpoint: ServerEndpoint
     client: SGLangClient
     state: str = "starting"
@@ -275,6 +149,8 @@ class _Server:
     completed: int = 0
     output_tokens: int = 0
     speed: float | None = None  # per-request decode tok/s (EMA of completion_tokens / e2e_latency)
+    alive_at: float = 0.0  # last sign of progress: an answer to a request, or its scheduler publishing a load
+    sched_stamp: float | None = None  # newest scheduler timestamp read from its /v1/loads
     recent: collections.deque[tuple[float, int]] = field(default_factory=collections.deque)
     last_error: str = ""
 
@@ -326,6 +202,7 @@ class Dispatcher:
         backoff_base_s: float = 0.5,
         backoff_max_s: float = 30.0,
         stall_timeout_s: float = 900.0,
+        hang_timeout_s: float = 30.0,
         timeout_floor_s: float = 600.0,
         timeout_factor: float = 4.0,
         assumed_tokens_per_s: float = 5.0,
@@ -350,6 +227,7 @@ class Dispatcher:
         self.backoff_base_s = backoff_base_s
         self.backoff_max_s = backoff_max_s
         self.stall_timeout_s = stall_timeout_s
+        self.hang_timeout_s = hang_timeout_s
         self.timeout_floor_s = timeout_floor_s
         self.timeout_factor = timeout_factor
         self.assumed_tokens_per_s = assumed_tokens_per_s
@@ -365,7 +243,7 @@ class Dispatcher:
 
         # Capacity known from provisioning (its /server_info) seeds the server until the dispatcher reads it itself.
         self._servers = [
-            _Server(endpoint=e, client=factory(e), capacity=e.max_running_requests or 0) for e in endpoints
+            _ServerState(endpoint=e, client=factory(e), capacity=e.max_running_requests or 0) for e in endpoints
         ]
         # Waiting requests as a heap of (Work.queue_key(), work): plan order, requeued work first.
         self._pending: list[tuple[tuple[int, tuple[int, ...], int], _Work]] = []
@@ -379,15 +257,12 @@ class Dispatcher:
         self._done_times: collections.deque[tuple[float, int]] = collections.deque()
         self._c = collections.Counter[str]()
         self._fatal: EngineError | None = None  # the error that took the last server out for good
-        # Back-pressure, shared with submitting threads (everything below under _room_lock): requests accepted
-        # and never sent yet, the live limit on them, and the submitters waiting for a place, lowest plan first.
-        self._room_lock = threading.Lock()
-        self._unsent = 0
-        self._queue_limit = self._compute_queue_limit()
-        self._blocked: list[_Blocked] = []
-        self._tickets = itertools.count()
-        # Request preparation in plan order (see PlanOrderTurn): `with dispatcher.turn(job_order): ...`.
-        self.turn = PlanOrderTurn()
+        # Back-pressure: a place per request accepted and not sent yet, as many as the live queue limit; blocked
+        # submitters get in lowest plan position first. `_counted_lock` makes giving a place back idempotent.
+        self._room = PlanOrderGate(self._compute_queue_limit())
+        self._counted_lock = threading.Lock()
+        # Request preparation in plan order (see gate.py): `with dispatcher.turn(job_order): ...`.
+        self.turn = PlanOrderGate(1)
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="datagen-dispatcher", daemon=True)
@@ -414,7 +289,7 @@ class Dispatcher:
         return fut
 
     def add_expected(self, n: int) -> None:
-        """Announce `n` more requests to come, or `-n` fewer than announced (for `unsent` and the ETA only)."""
+        """Announce `n` more requests to come, or `-n` fewer than announced (for `to_submit` and the ETA only)."""
         self._loop.call_soon_threadsafe(self._c.update, {"expected": n})
 
     def wait_ready(self, timeout_s: float = 60.0) -> bool:
@@ -425,8 +300,7 @@ class Dispatcher:
     @property
     def queue_limit(self) -> int:
         """Requests the queue takes before `submit` blocks (now: it follows what the dispatcher learns)."""
-        with self._room_lock:
-            return self._queue_limit
+        return self._room.capacity
 
     def stats(self) -> DispatcherStats:
         """A consistent snapshot of the counters."""
@@ -437,9 +311,7 @@ class Dispatcher:
         if self._closed:
             return
         self._closed = True
-        with self._room_lock:
-            for blocked in self._blocked:
-                blocked.event.set()  # not granted: it raises DispatcherClosed
+        self._room.close()  # blocked submitters wake without a place: they raise DispatcherClosed
         try:
             asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=30)
         finally:
@@ -456,57 +328,37 @@ class Dispatcher:
 
     def _admit(self, order: tuple[int, ...], timeout: float | None) -> None:
         """Take a place under queue_limit, waiting (lowest plan position first) while there is none."""
-        with self._room_lock:
-            if self._closed:
-                raise DispatcherClosed("dispatcher is closed")
-            if not self._blocked and self._unsent < self._queue_limit:
-                self._unsent += 1
+        try:
+            if self._room.acquire(order, timeout):
                 return
-            me = _Blocked((order, next(self._tickets)))
-            bisect.insort(self._blocked, me)
-            self._grant()
-        me.event.wait(timeout)
-        with self._room_lock:
-            if me.granted:
-                return
-            self._blocked.remove(me)
-            self._grant()  # whoever was behind may fit now
-        if self._closed:
-            raise DispatcherClosed("dispatcher is closed")
-        raise SubmitTimeout(f"no room in the dispatcher's queue within {timeout} s (limit {self._queue_limit})")
-
-    def _grant(self) -> None:
-        """Let in blocked submitters, lowest plan position first, while there is room (caller holds the lock)."""
-        while self._blocked and self._unsent < self._queue_limit and not self._closed:
-            first = self._blocked.pop(0)
-            first.granted = True
-            self._unsent += 1
-            first.event.set()
+        except GateClosed as exc:
+            raise DispatcherClosed("dispatcher is closed") from exc
+        raise SubmitTimeout(f"no room in the dispatcher's queue within {timeout} s (limit {self._room.capacity})")
 
     def _release(self, work: _Work) -> None:
         """A request left the not-yet-sent count (sent, or done without being sent); idempotent."""
-        with self._room_lock:
-            if work.counted:
-                work.counted = False
-                self._unsent -= 1
-                self._grant()
+        with self._counted_lock:
+            if not work.counted:
+                return
+            work.counted = False
+        self._room.release()
 
     def _compute_queue_limit(self) -> int:
-        """`queue_rounds` x every usable server's capacity plus its queue; seeded until the server answers."""
+        """`queue_rounds` x every live server's capacity plus its queue; seeded until the server answers.
+
+        Live: up, or starting (not contacted yet). A server that is down or fatal adds nothing, so the queue does
+        not hold a round of work for servers that cannot take it; it grows again when they come back.
+        """
         total = 0
         for s in self._servers:
-            if s.state == "fatal":
+            if s.state not in ("up", "starting"):
                 continue
             capacity = s.capacity or s.endpoint.max_running_requests or self.default_capacity
             total += min(capacity + self.queue_depth, self.max_connections_per_server - 4)
-        return max(1, total * self.queue_rounds)  # every server fatal: requests are let in and fail at once
+        return max(1, total * self.queue_rounds)  # none live: one at a time (fatal everywhere: it fails at once)
 
     def _update_queue_limit(self) -> None:
-        limit = self._compute_queue_limit()
-        with self._room_lock:
-            if limit != self._queue_limit:
-                self._queue_limit = limit
-                self._grant()
+        self._room.set_capacity(self._compute_queue_limit())
 
     # --- loop side ---------------------------------------------------------------------------------
 
@@ -531,11 +383,12 @@ class Dispatcher:
             if s.state == "down":
                 self._start_probe(s)
         self._spawn(self._watchdog())
-        self._spawn(self._poll_loads())
+        for s in self._servers:
+            self._spawn(self._poll_loads(s))
         self._spawn(self._log_progress())
         self._pump()
 
-    async def _discover(self, server: _Server) -> bool:
+    async def _discover(self, server: _ServerState) -> bool:
         """Health + capacity; on success the server is up."""
         try:
             if not await server.client.health():
@@ -554,6 +407,7 @@ class Dispatcher:
         server.capacity = capacity
         server.target = min(capacity + self.queue_depth, self.max_connections_per_server - 4)
         server.state, server.consecutive_failures = "up", 0
+        server.alive_at, server.sched_stamp = time.monotonic(), None
         self._update_queue_limit()
         logger.info("server %s up: %d running slots, keeping %d in flight", server.name, capacity, server.target)
         return True
@@ -570,13 +424,14 @@ class Dispatcher:
         if not self._busy():
             self._last_progress = time.monotonic()
         work.seq = next(self._arrivals)
+        work.waiting = True
         heapq.heappush(self._pending, (work.queue_key(requeued=False), work))
         self._pump()
 
     def _busy(self) -> bool:
         return bool(self._pending or self._delayed or any(s.inflight for s in self._servers))
 
-    def _pick(self, avoid: str) -> _Server | None:
+    def _pick(self, avoid: str) -> _ServerState | None:
         """The up server with the most free room relative to its target; faster servers first on ties."""
         candidates = [s for s in self._servers if s.free > 0]
         if not candidates:
@@ -595,6 +450,7 @@ class Dispatcher:
             if server is None:
                 return
             heapq.heappop(self._pending)
+            work.waiting = False
             if work.future.done():
                 continue
             if not work.started:
@@ -602,17 +458,20 @@ class Dispatcher:
                     continue  # cancelled by the submitter while queued (its done-callback freed the place)
                 work.started = True
                 self._release(work)
+            if not server.inflight:  # the hang clock starts when it has work, not at its last answer before
+                server.alive_at = max(server.alive_at, time.monotonic())
             task = self._loop.create_task(self._attempt(server, work))
             server.inflight[task] = work
+            work.running[task] = server
 
-    def _request_timeout(self, server: _Server, job: GenerateJob) -> float:
+    def _request_timeout(self, server: _ServerState, job: GenerateJob) -> float:
         """Generous deadline from max_new_tokens and the slowest observed per-request decode speed."""
         speeds = [s.speed for s in self._servers if s.speed]
         speed = server.speed or (min(speeds) if speeds else self.assumed_tokens_per_s)
         max_new = int(job.sampling.get("max_new_tokens") or 0)
         return max(self.timeout_floor_s, self.timeout_factor * max_new / max(speed, 1e-3))
 
-    async def _attempt(self, server: _Server, work: _Work) -> None:
+    async def _attempt(self, server: _ServerState, work: _Work) -> None:
         task = asyncio.current_task()
         work.last_server = server.name
         rid = uuid.uuid4().hex  # fresh per attempt: a reused in-flight rid is a 400
@@ -621,17 +480,43 @@ class Dispatcher:
                 work.job.input_ids, work.job.sampling, rid=rid, timeout_s=self._request_timeout(server, work.job)
             )
         except asyncio.CancelledError:
-            raise  # server marked down or shutdown: whoever cancelled us requeued or failed the work
+            raise  # server marked down, answered elsewhere, or shutdown: whoever cancelled us took care of the work
         except Exception as exc:
-            server.inflight.pop(task, None)  # type: ignore[arg-type]
-            self._failed_attempt(server, work, exc)
+            self._attempt_ended(server, work, task)
+            if isinstance(exc, RequestRejected):
+                server.alive_at = time.monotonic()  # it answered: not hung
+            if not self._answered_before(server, work) and not self._other_attempt(work):
+                self._failed_attempt(server, work, exc)
         else:
-            server.inflight.pop(task, None)  # type: ignore[arg-type]
-            self._succeeded(server, result)
-            self._finish(work, result)
+            self._attempt_ended(server, work, task)
+            server.alive_at = time.monotonic()
+            if not self._answered_before(server, work):  # the first answer settles it, whichever attempt gave it
+                self._succeeded(server, result)
+                self._finish(work, result)
         self._pump()
 
-    def _failed_attempt(self, server: _Server, work: _Work, exc: Exception) -> None:
+    @staticmethod
+    def _attempt_ended(server: _ServerState, work: _Work, task: asyncio.Task[None] | None) -> None:
+        server.inflight.pop(task, None)  # type: ignore[arg-type]
+        work.running.pop(task, None)  # type: ignore[arg-type]
+
+    def _answered_before(self, server: _ServerState, work: _Work) -> bool:
+        """True when another attempt already settled this request: this late outcome is dropped.
+
+        Only after a server was found hung does a request have two attempts (the hung one runs on beside its
+        copy); whichever answer comes first settles it, once.
+        """
+        if not work.future.done():
+            return False
+        self._c["discarded"] += 1
+        logger.info("%s: late answer from %s dropped (settled by another attempt)", work.job.label, server.name)
+        return True
+
+    def _other_attempt(self, work: _Work) -> bool:
+        """Another attempt of this request runs or waits: a failure of this one changes nothing."""
+        return bool(work.running or work.waiting or work in self._delayed)
+
+    def _failed_attempt(self, server: _ServerState, work: _Work, exc: Exception) -> None:
         """Route one failed attempt by error class: reject, retry here or elsewhere, or give up."""
         if isinstance(exc, RequestRejected):
             self._progress()
@@ -671,7 +556,7 @@ class Dispatcher:
             self._c["failed"] += 1
             self._finish(work, exc)
 
-    def _charge(self, server: _Server, work: _Work, exc: TransientError | ProtocolError) -> None:
+    def _charge(self, server: _ServerState, work: _Work, exc: TransientError | ProtocolError) -> None:
         """Count a failure against the request and the server; retry with backoff or give up."""
         server.last_error = str(exc)
         server.consecutive_failures += 1
@@ -702,18 +587,20 @@ class Dispatcher:
         self._requeue_now(work)
 
     def _requeue_now(self, work: _Work) -> None:
-        if not work.future.done():
+        if not work.future.done() and not work.waiting:
+            work.waiting = True
             heapq.heappush(self._pending, (work.queue_key(requeued=True), work))
 
-    def _requeue_front(self, server: _Server) -> None:
+    def _requeue_front(self, server: _ServerState) -> None:
         """Cancel a server's in-flight requests and put them back at the front of the queue."""
         for task, work in list(server.inflight.items()):
             task.cancel()
+            work.running.pop(task, None)
             self._c["requeued"] += 1
             self._requeue_now(work)
         server.inflight.clear()
 
-    def _succeeded(self, server: _Server, result: GenerateResult) -> None:
+    def _succeeded(self, server: _ServerState, result: GenerateResult) -> None:
         now = time.monotonic()
         self._progress()
         server.consecutive_failures = 0
@@ -738,11 +625,16 @@ class Dispatcher:
             work.future.set_exception(outcome)
         else:
             work.future.set_result(outcome)
+        for task, server in list(work.running.items()):  # a hung server's attempt still running: not needed now
+            task.cancel()
+            server.inflight.pop(task, None)
+        work.running.clear()
 
-    def _mark_down(self, server: _Server, reason: str) -> None:
+    def _mark_down(self, server: _ServerState, reason: str) -> None:
         if server.state != "up":
             return
         server.state = "down"
+        self._update_queue_limit()
         n = len(server.inflight)
         self._requeue_front(server)
         logger.warning("server %s marked down (%s); %d in-flight requests requeued", server.name, reason, n)
@@ -751,18 +643,53 @@ class Dispatcher:
             self._spawn(self._call_down_hook(callback, endpoint))
         self._start_probe(server)
 
+    def _mark_hung(self, server: _ServerState, silent_s: float) -> None:
+        """No progress for hang_timeout_s with work there: down, its requests copied to the queue, not cancelled.
+
+        A frozen process or a stuck scheduler answers nothing, or a /v1/loads whose scheduler timestamp stands
+        still; a slow one still finishes requests or publishes loads, so latency alone never lands here. Its
+        attempts run on: if it comes back first, that answer settles the request and the copy is dropped.
+        """
+        if server.state != "up":
+            return
+        server.state = "down"
+        server.last_error = f"no progress for {silent_s:.0f} s with {len(server.inflight)} requests there"
+        self._update_queue_limit()
+        for work in list(server.inflight.values()):
+            self._c["requeued"] += 1
+            self._requeue_now(work)
+        self._c["hung"] += 1
+        logger.warning(
+            "server %s made no progress for %.0f s (no request finished, its /v1/loads showed no scheduler "
+            "activity): marked down, its %d requests requeued on the other servers; an answer that still comes "
+            "back first is kept, once",
+            server.name,
+            silent_s,
+            len(server.inflight),
+        )
+        if self.on_server_down is not None:
+            self._spawn(self._call_down_hook(self.on_server_down, server.endpoint))
+        self._start_probe(server)
+
+    def _check_hung(self) -> None:
+        now = time.monotonic()
+        for s in self._servers:
+            if s.state == "up" and s.inflight and now - s.alive_at > self.hang_timeout_s:
+                self._mark_hung(s, now - s.alive_at)
+        self._pump()
+
     async def _call_down_hook(self, callback: Callable[[ServerEndpoint], None], endpoint: ServerEndpoint) -> None:
         try:
             await asyncio.to_thread(callback, endpoint)
         except Exception:
             logger.exception("on_server_down(%s) failed", endpoint.name)
 
-    def _start_probe(self, server: _Server) -> None:
+    def _start_probe(self, server: _ServerState) -> None:
         if not server.probing:
             server.probing = True
             self._spawn(self._probe(server))
 
-    async def _probe(self, server: _Server) -> None:
+    async def _probe(self, server: _ServerState) -> None:
         """Poll a down server until it is healthy, then put it back to work."""
         try:
             while not self._closed and server.state == "down":
@@ -773,7 +700,7 @@ class Dispatcher:
         finally:
             server.probing = False
 
-    async def _check_health(self, server: _Server) -> None:
+    async def _check_health(self, server: _ServerState) -> None:
         """After repeated failures: a server that also fails its health probe is marked down."""
         server.checking = True
         try:
@@ -800,7 +727,8 @@ class Dispatcher:
     async def _watchdog(self) -> None:
         """Fail everything when no server has finished anything for stall_timeout_s."""
         while not self._closed:
-            await asyncio.sleep(min(1.0, self.stall_timeout_s / 4))
+            await asyncio.sleep(min(1.0, self.stall_timeout_s / 4, self.hang_timeout_s / 4))
+            self._check_hung()
             if not self._busy():
                 self._last_progress = time.monotonic()
                 continue
@@ -824,23 +752,41 @@ class Dispatcher:
             self._fail_all(EngineStalled(message))
             self._last_progress = time.monotonic()
 
-    async def _poll_loads(self) -> None:
-        """Follow each server's queue: a server with waiting requests gets fewer new ones."""
+    async def _poll_loads(self, server: _ServerState) -> None:
+        """Follow one server's queue (a server with waiting requests gets fewer new ones) and its scheduler's pulse.
+
+        One loop per server: a frozen server's unanswered poll holds up no other server's.
+        """
         while not self._closed:
             await asyncio.sleep(self.load_poll_interval_s)
-            up = [s for s in self._servers if s.state == "up"]
-            results = await asyncio.gather(*(s.client.loads() for s in up), return_exceptions=True)
-            for s, load in zip(up, results, strict=True):
-                if isinstance(load, LoadInfo):
-                    s.load = load
-                    full = min(s.capacity + self.queue_depth, self.max_connections_per_server - 4)
-                    # Waiting requests beyond our own small queue mean the server runs fewer than it reported
-                    # (memory pressure, other clients): back off by the excess, never below half capacity.
-                    excess = max(0, load.num_waiting_reqs - self.queue_depth)
-                    s.target = max(max(1, s.capacity // 2), full - excess)
-                elif isinstance(load, BaseException):
-                    logger.debug("load poll of %s failed: %s", s.name, load)
+            if server.state != "up":
+                continue
+            try:
+                load = await server.client.loads()
+            except Exception as exc:
+                logger.debug("load poll of %s failed: %s", server.name, exc)
+                continue
+            server.load = load
+            self._note_pulse(server, load)
+            full = min(server.capacity + self.queue_depth, self.max_connections_per_server - 4)
+            # Waiting requests beyond our own small queue mean the server runs fewer than it reported
+            # (memory pressure, other clients): back off by the excess, never below half capacity.
+            excess = max(0, load.num_waiting_reqs - self.queue_depth)
+            server.target = max(max(1, server.capacity // 2), full - excess)
             self._pump()
+
+    @staticmethod
+    def _note_pulse(server: _ServerState, load: LoadInfo) -> None:
+        """A load reading is progress when its scheduler published since the last one (SGLang stamps each rank's
+        snapshot when its scheduler loop publishes it; HTTP answers even while the scheduler is stuck).
+        A reading without stamps (not SGLang's snapshot) counts as progress by answering at all."""
+        ranks = load.raw.get("loads") if isinstance(load.raw, dict) else None
+        stamps = [r["timestamp"] for r in ranks or [] if isinstance(r.get("timestamp"), int | float)]
+        stamp = max(stamps) if stamps else None
+        if stamp is None or server.sched_stamp is None or stamp > server.sched_stamp:
+            server.alive_at = time.monotonic()
+        if stamp is not None:
+            server.sched_stamp = stamp
 
     async def _log_progress(self) -> None:
         last = -1
@@ -881,8 +827,7 @@ class Dispatcher:
                     running=s.load.num_running_reqs if s.load else None,
                 )
             )
-        with self._room_lock:
-            limit, blocked = self._queue_limit, len(self._blocked)
+        limit, blocked = self._room.capacity, self._room.waiting
         rate = len(self._done_times) / window
         finished = self._c["completed"] + self._c["rejected"] + self._c["failed"]
         remaining = max(self._c["expected"] - finished, 0) if self._c["expected"] else self._c["submitted"] - finished
@@ -901,7 +846,7 @@ class Dispatcher:
             output_tokens_per_s=sum(t for _, t in self._done_times) / window,
             eta_s=remaining / rate if rate > 0 else None,
             servers=servers,
-            unsent=max(self._c["expected"] - self._c["submitted"], 0),
+            to_submit=max(self._c["expected"] - self._c["submitted"], 0),
             queue_limit=limit,
             blocked_submitters=blocked,
         )

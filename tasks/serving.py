@@ -1,0 +1,58 @@
+"""One place that serves: start (or attach) the fleet, build the dispatcher with restarts wired, stop both.
+
+    with serving(settings, spec, layout) as served:
+        served.dispatcher.submit(job)     # every server was contacted once before the block starts
+        served.fleet.engine_version
+
+`expand-dataset`, `pilot` and `generate-on-box` all serve through it: a server the dispatcher marks down
+(refused, dropped, hung) is restarted by the fleet (attach mode: waited for), and the dispatcher and then the
+servers stop when the block ends, however it ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from datagen.engine.dispatcher import Dispatcher
+from datagen.engine.launcher import ServerFleet
+from datagen.layout import RunLayout
+from datagen.runspec import RunSpec
+from datagen.settings import Settings
+from tasks import provisioning
+
+__all__ = ["Serving", "serving"]
+
+
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """The fleet and the one dispatcher that feeds it, for the length of a `serving` block."""
+
+    fleet: ServerFleet
+    dispatcher: Dispatcher
+
+
+@contextmanager
+def serving(
+    settings: Settings,
+    spec: RunSpec,
+    layout: RunLayout,
+    *,
+    start: Callable[[ServerFleet], object] = ServerFleet.start,
+) -> Iterator[Serving]:
+    """Servers up (started or attached), a dispatcher over them with `on_server_down=fleet.restart`, then stopped.
+
+    `start` starts the fleet; a flow passes its named task there, so a server that fails to start shows as a
+    red task with its log lines.
+    """
+    fleet = provisioning.provision(settings, spec, layout, provisioning.api_key_for(settings))
+    try:
+        start(fleet)
+        with Dispatcher(
+            fleet.endpoints, on_server_down=fleet.restart, hang_timeout_s=settings.server_hang_timeout_s
+        ) as dispatcher:
+            dispatcher.wait_ready(settings.server_start_timeout_s)  # every server contacted before work is sent
+            yield Serving(fleet, dispatcher)
+    finally:
+        fleet.stop()
