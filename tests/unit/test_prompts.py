@@ -16,7 +16,7 @@ from datagen.prompts import LOAD_REJECT_REASONS, PromptSourceError, iter_prompts
 from datagen.records import Prompt, Reject, prompt_id_for
 from datagen.runspec import PromptSource
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def write_jsonl(path: Path, rows: list[Any]) -> Path:
