@@ -1,7 +1,7 @@
 """The keys that name work across runs: prompt ids, request keys and a shard's generation cache key.
 
 Catalogs in S3 and every checkpoint hold these keys, so they never change for the same input
-(tests/test_identity.py pins each one with values computed before this module existed).
+(tests/unit/test_identity.py pins each one with values computed before this module existed).
 
     prompt id      sha256(source, rendered token ids)[:24]: the prompt as the model sees it. A run always uses
                    this scheme; `PromptIdentity.for_spec` refuses (IdentityError) when the model directory has

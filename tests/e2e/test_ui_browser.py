@@ -47,7 +47,7 @@ CHROMIUM_ARGS = [
 ]
 RUN_TIMEOUT_S = 300.0  # a hang guard, not a speed requirement
 # The README shows these; the test refreshes them on every run (small viewport PNGs, committed).
-SCREENSHOTS = Path(__file__).resolve().parents[1] / "docs" / "screenshots"
+SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
 PROMPTS = [
     "Explain what a unit test is.",
     "Give two reasons to pin dependencies.",

@@ -45,7 +45,7 @@ from datagen.runspec import RunSpec
 from datagen.settings import Settings
 from tasks.environment import format_report, report_rows, run_checks
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 DEFAULT_ALLOWED = Settings().allowed_compute_capabilities
 
 

@@ -41,7 +41,7 @@ NUM_SERVERS = 2
 SLOTS = 4  # running requests per server: small, so generation runs in many waves and the kill lands mid-run
 KILL_AFTER = 12  # settled requests in the checkpoints before the SIGKILL
 NAMESPACE = "crash_v1"
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Runs one flow and writes what the generation stage reported per shard (the `shard N done` log records'
 # arguments: shard, completed, rejected, sent now, output tokens) next to the flow's report.

@@ -21,7 +21,7 @@ from datagen.model_fixture import ensure_model_dir
 from datagen.settings import Settings
 from tasks.generation import generate_shard
 from tasks.serving import serving
-from tests.test_generation import FAST, SPEC, check_ledger, write_shard
+from tests.e2e.test_generation import FAST, SPEC, check_ledger, write_shard
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from datagen.records import Prompt, Reject
 from datagen.runspec import PromptSource, RunSpec
 from tasks.planning import ShardPlan, plan_manifest_path, plan_shards, read_plan
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def write_rows(path: Path, n: int, start: int = 0, bad_every: int = 0) -> Path:

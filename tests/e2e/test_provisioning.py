@@ -30,7 +30,7 @@ from tasks.provisioning import api_key_for, new_api_key, provision, stop_leftove
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KEY = SecretStr("test-key-7f3a")
 
 
@@ -123,7 +123,7 @@ def test_fleet_starts_servers_restarts_a_dead_one_and_stops_all(tmp_path: Path, 
             assert healthy(endpoint.url)
         assert fleet.engine_version == "0.5.23"
         # The key protects the servers, and never reaches a line the pipeline writes. (The server's own log holds
-        # it, as real SGLang logs its settings, key included: tests/test_secret_redaction.py guards what is shown.)
+        # it, as real SGLang logs its settings, key included: tests/e2e/test_secret_redaction.py guards what is shown.)
         info = httpx.get(f"{fleet[0].url}/server_info", timeout=10)
         assert info.status_code == 401
         log = (layout.logs_dir / "server-1.log").read_text()

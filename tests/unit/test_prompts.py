@@ -17,7 +17,7 @@ from datagen.prompts import LOAD_REJECT_REASONS, PromptSourceError, iter_prompts
 from datagen.records import Message, Prompt, Reject
 from datagen.runspec import PromptSource
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def dicts(messages: list[Message]) -> list[dict[str, Any]]:

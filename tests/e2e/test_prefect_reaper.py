@@ -27,7 +27,7 @@ from tasks.provisioning import stop_leftover_servers
 
 pytestmark = pytest.mark.slow
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 PIPELINE = """
 import sys
