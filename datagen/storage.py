@@ -301,6 +301,17 @@ class ObjectStore:
         except (ClientError, BotoCoreError) as exc:
             raise self._translate(exc, "list", prefix) from exc
 
+    def list_dirs(self, prefix: str = "") -> Iterator[str]:
+        """The "directories" right under prefix (e.g. namespaces: 'expansion_v1/'), relative to the store's prefix."""
+        paginator = self._client.get_paginator("list_objects_v2")
+        pages = paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix, Delimiter="/")
+        try:
+            for page in pages:
+                for item in page.get("CommonPrefixes", []):
+                    yield str(item["Prefix"])[len(self.prefix) :]
+        except (ClientError, BotoCoreError) as exc:
+            raise self._translate(exc, "list", prefix) from exc
+
     def exists(self, prefix: str) -> bool:
         """Whether any object's key starts with prefix."""
         try:
@@ -409,7 +420,16 @@ def s3_preflight(store: ObjectStore, namespace: str, resume: bool) -> builtins.l
     results.append(CheckResult("s3.bucket", "pass", f"{store.uri()} reachable"))
 
     try:
-        if store.head(ns + "manifest.json") is not None:
+        if store.head(ns + "abandoned.json") is not None:  # tasks.publishing.ABANDONED_NAME
+            results.append(
+                CheckResult(
+                    "s3.namespace_free",
+                    "fail",
+                    f"{store.uri(ns + 'abandoned.json')} exists: namespace {namespace!r} was abandoned; "
+                    "choose a new namespace",
+                )
+            )
+        elif store.head(ns + "manifest.json") is not None:
             results.append(
                 CheckResult(
                     "s3.namespace_free",
