@@ -77,16 +77,23 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except Exception as exc:
         if args.verbose:
             raise
+        from datagen.settings import Settings
+
         # The flow's log (and the Prefect UI) already holds the full trace: one line here says what to fix.
-        print(f"datagen: run failed: {failure_line(exc)}", file=sys.stderr)
+        print(f"datagen: run failed: {failure_line(exc, Settings().work_dir)}", file=sys.stderr)
         print("datagen: the full trace is in the flow's log above; `datagen run --verbose` raises it", file=sys.stderr)
         return 1
     print(summary_text(report))
     return 0
 
 
-def failure_line(exc: BaseException) -> str:
+def failure_line(exc: BaseException, work_dir: Path) -> str:
     """One line for a failed run: the error's own message (ours name what to fix), its type when it has none."""
+    from datagen.diskspace import full_disk_message
+
+    disk = full_disk_message(exc, work_dir)
+    if disk is not None:
+        return disk
     text = " ".join(str(exc).split()) or type(exc).__name__
     known = ("datagen.", "tasks.", "flows.")
     return text if type(exc).__module__.startswith(known) else f"{type(exc).__name__}: {text}"
