@@ -4,9 +4,9 @@
 
 A part is written with `put_if_absent` right after its namespace's manifest, so it never changes once written and
 the catalog is the union of its parts. `_catalog/` cannot collide with a namespace (namespaces start with a letter
-or digit). A namespace published without its part (a crash between manifest and part, or a publish from before the
-catalog existed) is backfilled from the namespace's own parquet files when `next_expansion_namespace` or
-`backfill` finds it.
+or digit). A namespace published without its part (a crash between manifest and part, a publish from before the
+catalog existed, or by another box) is backfilled from the namespace's own parquet files by `repair`, which every
+run calls before it reads the catalog: whatever its name, a published namespace's prompts are never planned again.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from datagen.faults import kill_point
 from datagen.storage import ObjectExists, ObjectStore
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "next_expansion_namespace",
     "part_key",
     "published_prompt_ids",
+    "repair",
     "write_part",
 ]
 
@@ -133,6 +135,7 @@ def write_part(store: ObjectStore, namespace: str, staging_dir: Path) -> int:
 def _put_part(store: ObjectStore, namespace: str, body: bytes) -> int:
     table = pq.read_table(io.BytesIO(body), columns=["prompt_id"])
     key = part_key(namespace)
+    kill_point("catalog.before-part")
     try:
         store.put_if_absent(key, body)
     except ObjectExists:
@@ -190,18 +193,31 @@ def backfill(store: ObjectStore, namespace: str) -> bool:
     return True
 
 
-def next_expansion_namespace(store: ObjectStore, repair: bool = True) -> str:
+def repair(store: ObjectStore) -> list[str]:
+    """Backfill the part of every published namespace (any name) that has none; the namespaces backfilled.
+
+    One listing of the top-level names and of `_catalog/`, plus a HEAD per namespace without a part: cheap when
+    nothing is missing, so it runs before every plan.
+    """
+    with_part = set(catalog_namespaces(store))
+    repaired = []
+    for namespace in store.children():
+        if namespace.startswith("_") or namespace in with_part:
+            continue  # _catalog/, _runs/ (multi-box exchange): not namespaces
+        if backfill(store, namespace):
+            repaired.append(namespace)
+    return repaired
+
+
+def next_expansion_namespace(store: ObjectStore) -> str:
     """The next free `expansion_vN`: one past the highest N that holds objects or a catalog part.
 
-    On the way (with `repair`), any published expansion namespace without a catalog part is backfilled, so its
-    prompts are skipped; `repair=False` only reads (what `datagen check` needs).
+    Only reads (`datagen check` calls it too): `repair` backfills missing parts before every plan.
     """
     taken = {int(m.group(1)) for ns in catalog_namespaces(store) if (m := _EXPANSION_RE.match(ns))}
     n = 1
     # Probe upward: a namespace holds objects (even an unfinished publish) or has a part -> taken.
     while n in taken or store.exists(f"{EXPANSION_PREFIX}{n}/"):
-        if repair:
-            backfill(store, f"{EXPANSION_PREFIX}{n}")
         taken.add(n)
         n += 1
     return f"{EXPANSION_PREFIX}{max([n, *(t + 1 for t in taken)])}"

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-__all__ = ["apply_overrides", "load_spec", "main", "summary_text"]
+__all__ = ["apply_overrides", "failure_line", "load_spec", "main", "summary_text"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FLOW_PARAMETERS = frozenset({"spec", "dry_run"})  # expand-dataset's parameters, as a deployment run takes them
@@ -120,21 +120,42 @@ def _cmd_run(args: argparse.Namespace) -> int:
     _quiet_prefect_defaults()
     _apply_env_file(args)
     spec = load_spec(args.config, args.set)
-    from datagen.prompts import PromptSourceError
-    from datagen.quality import QualityGateError
     from flows.expand_dataset import expand_dataset
 
     try:
         report = expand_dataset(spec, dry_run=args.dry_run)
-    except (QualityGateError, PromptSourceError) as exc:
-        print(f"datagen: run failed: {exc}", file=sys.stderr)
+    except Exception as exc:
+        if args.verbose:
+            raise
+        from datagen.settings import Settings
+
+        # The flow's log (and the Prefect UI) already holds the full trace: one line here says what to fix.
+        print(f"datagen: run failed: {failure_line(exc, Settings().work_dir)}", file=sys.stderr)
+        print("datagen: the full trace is in the flow's log above; `datagen run --verbose` raises it", file=sys.stderr)
         return 1
     print(summary_text(report))
     return 0
 
 
+def failure_line(exc: BaseException, work_dir: Path) -> str:
+    """One line for a failed run: the error's own message (ours name what to fix), its type when it has none."""
+    from datagen.diskspace import full_disk_message
+
+    disk = full_disk_message(exc, work_dir)
+    if disk is not None:
+        return disk
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    known = ("datagen.", "tasks.", "flows.")
+    return text if type(exc).__module__.startswith(known) else f"{type(exc).__name__}: {text}"
+
+
 def summary_text(report: dict[str, Any]) -> str:
     """The CLI's closing lines for a flow's summary: the dataset's location, or why nothing was published."""
+    if report.get("already_published"):
+        return (
+            f"{report.get('message')} ({report.get('rows')} rows, {report.get('rejects')} rejects); look at it with: "
+            f"datagen inspect {report.get('namespace')}\n{report['uri']}"
+        )
     if not report.get("uri"):
         why = report.get("message") or report.get("reason") or "no prompts"
         return f"nothing published in namespace {report.get('namespace')}: {why}"
@@ -162,7 +183,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     store = ObjectStore.from_settings(settings)
     if spec.namespace == AUTO_NAMESPACE:
         try:  # read-only: the run itself picks (and repairs) for real
-            resolved = next_expansion_namespace(store, repair=False)
+            resolved = next_expansion_namespace(store)
         except StorageError as exc:
             print(f"namespace 'auto': not resolved ({exc}); the S3 checks below say why")
         else:
@@ -227,6 +248,25 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     finally:
         if not was_running and not args.keep_stack:
             localstack.stop(state_dir)
+
+
+def _cmd_abandon(args: argparse.Namespace) -> int:
+    """Mark a namespace whose publish can never be finished as abandoned (adds one marker object)."""
+    from datagen.settings import Settings
+    from datagen.storage import ObjectStore, StorageError
+    from tasks.publishing import PublishError, abandon
+
+    store = ObjectStore.from_settings(Settings())
+    try:
+        marker = abandon(store, args.namespace, args.reason)
+    except (PublishError, StorageError) as exc:
+        print(f"datagen: abandon failed: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"namespace {args.namespace} is abandoned ({marker}); its objects stay as they are and nothing is published "
+        "there any more. Publish the run under a new namespace."
+    )
+    return 0
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -357,7 +397,17 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the expand-dataset flow")
     spec_args(run)
     run.add_argument("--dry-run", action="store_true", help="do everything but write to S3; list what would be written")
+    run.add_argument("--verbose", action="store_true", help="on failure, raise the full traceback (default: one line)")
     run.set_defaults(func=_cmd_run)
+
+    abandon = sub.add_parser(
+        "abandon",
+        help="mark an unfinished publish that can never be finished (its work dir is gone) as abandoned; "
+        "adds NAMESPACE/abandoned.json, deletes and replaces nothing",
+    )
+    abandon.add_argument("namespace")
+    abandon.add_argument("--reason", default="abandoned by an operator", help="recorded in the marker")
+    abandon.set_defaults(func=_cmd_abandon)
 
     check = sub.add_parser("check", help="run only the environment checks; exit 1 if one fails")
     spec_args(check)

@@ -48,6 +48,11 @@ class RunLayout:
         return self.root / "dataset"
 
     @property
+    def pinned_facts(self) -> Path:
+        """The first attempt's run id and time (datagen.pinned): every re-attempt publishes the same card."""
+        return self.root / "pinned-facts.json"
+
+    @property
     def logs_dir(self) -> Path:
         """Server logs of servers this run started."""
         return self.root / "logs"

@@ -428,7 +428,16 @@ def s3_preflight(store: ObjectStore, namespace: str, resume: bool) -> builtins.l
     results.append(CheckResult("s3.bucket", "pass", f"{store.uri()} reachable"))
 
     try:
-        if store.head(ns + "manifest.json") is not None:
+        if store.head(ns + "abandoned.json") is not None:  # tasks.publishing.ABANDONED_NAME
+            results.append(
+                CheckResult(
+                    "s3.namespace_free",
+                    "fail",
+                    f"{store.uri(ns + 'abandoned.json')} exists: namespace {namespace!r} was abandoned; "
+                    "choose a new namespace",
+                )
+            )
+        elif store.head(ns + "manifest.json") is not None:
             results.append(
                 CheckResult(
                     "s3.namespace_free",

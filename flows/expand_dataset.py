@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, cast
 from uuid import UUID
@@ -38,6 +37,7 @@ from datagen.engine.launcher import ServerFleet
 from datagen.engine.stats import DispatcherStats
 from datagen.identity import generation_cache_key
 from datagen.layout import RunLayout
+from datagen.pinned import pin_facts
 from datagen.runspec import AUTO_NAMESPACE, QualityGate, RunSpec
 from datagen.settings import Settings
 from datagen.storage import ObjectStore, s3_preflight
@@ -55,7 +55,7 @@ from tasks import (
 )
 from tasks.serving import serving
 
-__all__ = ["EnvironmentCheckFailed", "expand_dataset", "finish_dataset"]
+__all__ = ["EnvironmentCheckFailed", "expand_dataset", "finish_dataset", "publish_dataset", "published_before"]
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +173,41 @@ catalog_task = task(name="catalog prompt ids", cache_policy=NO_CACHE, retries=1,
 )
 
 
+def publish_dataset(
+    spec: RunSpec, layout: RunLayout, store: ObjectStore, lineage: dict[str, Any], dry_run: bool
+) -> publishing.PublishResult:
+    """Publish the staged dataset, then its catalog part (every flow that publishes goes through here)."""
+    created_at = pin_facts(layout.pinned_facts, None).created_at  # the first attempt's, like the card's
+    published = publish_task(layout.staging_dir, spec.namespace, store, lineage, dry_run=dry_run, created_at=created_at)
+    if not dry_run:
+        # After the manifest: a crash in between leaves a published namespace without a part, which
+        # catalog.repair recovers before the next plan; the reverse would skip prompts never published.
+        catalog_task(store, spec.namespace, layout.staging_dir)
+    return published
+
+
+def published_before(store: ObjectStore, spec: RunSpec, layout: RunLayout) -> dict[str, Any] | None:
+    """The summary of a run whose earlier attempt already published it (killed after its manifest), else None.
+
+    Its catalog part is written if it is missing; nothing else is done (no servers, no generation).
+    """
+    manifest = publishing.published_as_staged(store, spec.namespace, layout.staging_dir)
+    if manifest is None:
+        return None
+    catalog_task(store, spec.namespace, layout.staging_dir)
+    lineage = manifest.get("lineage") or {}
+    message = f"{spec.namespace} was published by an earlier attempt of this run; its catalog part is in place"
+    get_run_logger().info("%s", message)
+    return {
+        "uri": store.uri(spec.namespace + "/"),
+        "namespace": spec.namespace,
+        "rows": lineage.get("rows"),
+        "rejects": lineage.get("rejects"),
+        "already_published": True,
+        "message": message,
+    }
+
+
 def finish_dataset(
     spec: RunSpec,
     layout: RunLayout,
@@ -201,7 +236,8 @@ def finish_dataset(
     gate_task(summary, spec.quality_gate, upstream_reasons, [str(p) for p in reject_paths], namespace=spec.namespace)
     tokenized = close_tokenization_task(stream)
     # Rows can still fail the token round-trip check: the gate sees the final counts before anything ships.
-    published_rejects = [str(layout.staging_dir / f) for f in tokenized.reject_files]
+    # Their keys in the namespace, not local paths: the report is published, and must not change with the work dir.
+    published_rejects = list(tokenized.reject_files)
     final = gate_task(
         summary,
         spec.quality_gate,
@@ -210,6 +246,7 @@ def finish_dataset(
         tokenized.tokenize_rejected,
         namespace=spec.namespace,
     )
+    pinned = pin_facts(layout.pinned_facts, run_id)
     # Published with the data: each reject reason's share and example rows, and the gate that passed.
     (layout.staging_dir / validation.REPORT_NAME).write_text(
         validation.render_validation_report(summary, final), encoding="utf-8"
@@ -225,8 +262,9 @@ def finish_dataset(
             source_mix=tokenized.rows_by_source,
             category_mix=tokenized.rows_by_category,
             server_args=spec.server_args,
-            run_id=run_id,
-            created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+            # The first attempt's: a re-run must publish the README.md its interrupted attempt claimed.
+            run_id=pinned.run_id,
+            created_at=pinned.created_at,
         ),
         sizes=tokenized.sizes(),
     )
@@ -322,6 +360,8 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         report.rename_flow_run(AUTO_NAMESPACE, spec.namespace)
     layout = RunLayout.for_run(settings.work_dir, spec.namespace)
     layout.root.mkdir(parents=True, exist_ok=True)
+    if not dry_run and (done := published_before(store, spec, layout)) is not None:
+        return done
     clock = report.StageClock()
 
     env_results = check_environment_task(settings, spec, store)
@@ -330,6 +370,9 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
     run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else None
     chat = ChatTokenizer.shared(spec.model_path)
     # Prompts an earlier namespace published are skipped (this run's own part is not: a rerun plans the same).
+    # Repaired first: a namespace whose run was killed between manifest and part would be generated again.
+    for repaired in catalog.repair(store) if spec.skip_published else []:
+        logger.warning("catalog: namespace %s was published without its catalog part; backfilled it", repaired)
     skip = catalog.published_prompt_ids(store, exclude={spec.namespace}) if spec.skip_published else set()
     projection = pilot.load_projection(settings.work_dir, spec.pilot) if spec.pilot else None
     select, selection = ordering.run_filter(
@@ -409,11 +452,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         "rejects": tokenized.n_rejects,
         "rejects_by_reason": tokenized.rejects_by_reason,
     }
-    published = publish_task(layout.staging_dir, spec.namespace, store, lineage, dry_run=dry_run)
-    if not dry_run:
-        # After the manifest: a crash in between leaves a published namespace without a part, which
-        # catalog.backfill recovers; the reverse would skip prompts whose data never got published.
-        catalog_task(store, spec.namespace, layout.staging_dir)
+    published = publish_dataset(spec, layout, store, lineage, dry_run)
     clock.mark("publish")
     dataset_link = report.dataset_link(store, published.uri, settings.s3_console_url)
     create_link_artifact(

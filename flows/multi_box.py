@@ -47,7 +47,14 @@ from datagen.report import quiet_per_shard_completions, run_name
 from datagen.runspec import ExchangeSpec, MultiBoxSpec, RunSpec
 from datagen.settings import Settings
 from datagen.storage import ObjectStore, s3_preflight
-from flows.expand_dataset import check_environment_task, finish_dataset, load_gate_task, plan_task, publish_task
+from flows.expand_dataset import (
+    check_environment_task,
+    finish_dataset,
+    load_gate_task,
+    plan_task,
+    publish_dataset,
+    published_before,
+)
 from tasks import generation
 from tasks.planning import ShardPlan
 from tasks.serving import serving
@@ -297,6 +304,8 @@ def expand_dataset_multibox(
     exchange = ShardExchange(store, spec.namespace, "parent", _owner_token(), lease_s=boxes.exchange.lease_s)
     ctx = FlowRunContext.get()
     run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else None
+    if not dry_run and (done := published_before(store, spec, layout)) is not None:
+        return done
 
     preflight_task(store, spec.namespace)
     chat = ChatTokenizer.shared(spec.model_path)
@@ -331,7 +340,7 @@ def expand_dataset_multibox(
         "rejects": tokenized.n_rejects,
         "rejects_by_reason": tokenized.rejects_by_reason,
     }
-    published = publish_task(layout.staging_dir, spec.namespace, store, lineage, dry_run=dry_run)
+    published = publish_dataset(spec, layout, store, lineage, dry_run)
     create_link_artifact(
         link=published.uri,
         link_text=f"dataset {spec.namespace}: {tokenized.n_rows:,} rows",

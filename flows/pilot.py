@@ -18,7 +18,7 @@ from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 from datagen import alerts, paths, report
-from datagen.catalog import published_prompt_ids
+from datagen.catalog import published_prompt_ids, repair
 from datagen.chat import ChatTokenizer
 from datagen.layout import RunLayout
 from datagen.runspec import AUTO_NAMESPACE, RunSpec
@@ -53,6 +53,8 @@ def pilot_flow(spec: RunSpec = RunSpec(), pilot_spec: pilot.PilotSpec = pilot.Pi
     check_environment_task(settings, spec, store)
     # The sample comes from what the main run would generate: the same catalog skips and targets.
     exclude = set() if spec.namespace == AUTO_NAMESPACE else {spec.namespace}
+    if spec.skip_published:
+        repair(store)  # a namespace published without its catalog part still counts as published
     skip = published_prompt_ids(store, exclude=exclude) if spec.skip_published else set()
     plan, population = plan_pilot_task(spec, pilot_spec, layout, skip)
     logger.info("pilot sample: %d prompts in %d shards", plan.n_prompts, len(plan.shard_ids))

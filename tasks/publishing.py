@@ -2,17 +2,22 @@
 
 Order of writes under the namespace:
 
-1. `publish-claim.json`: the sorted list of (key, size, sha256) to be published. Whoever creates it owns the
-   namespace; a re-run of the same files finds its own claim (same bytes) and resumes, any other publish is
-   refused before it writes a byte of data.
+1. `publish-claim.json`: the sorted list of (key, size, sha256) to be published, plus the manifest's date and
+   lineage. Whoever creates it owns the namespace; a re-run of the same files finds its own claim and resumes
+   (the manifest is built from that claim, so every attempt writes the same bytes), any other publish is refused
+   before it writes a byte of data, with the one command that unblocks it (`datagen abandon`).
 2. every file of the staging directory, keyed by its relative path (data/*.parquet, rejects/*.parquet,
    README.md), with its sha256 as object metadata; files already there with the same sha256 are skipped.
 3. `manifest.json`, LAST: every object with size and sha256, row counts, and the lineage. A namespace without
-   manifest.json holds an incomplete dataset.
+   manifest.json holds an incomplete dataset. A re-run that finds its own manifest there is done.
+
+A namespace that can never be finished (its run's work dir is gone) is marked with `abandoned.json` by
+`abandon`: one more object, nothing deleted or replaced; nothing is published there afterwards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -23,22 +28,28 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, Field
 
+from datagen.faults import kill_point
 from datagen.storage import ObjectExists, ObjectInfo, ObjectStore, sha256_file
 
 __all__ = [
+    "ABANDONED_NAME",
     "CLAIM_NAME",
     "MANIFEST_NAME",
     "PublishError",
     "PublishResult",
     "StagedFile",
+    "abandon",
     "publish",
+    "published_as_staged",
     "stage_files",
 ]
 
 CLAIM_NAME = "publish-claim.json"
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "datagen-manifest/1"
-CLAIM_FORMAT = "datagen-publish-claim/1"
+CLAIM_FORMAT = "datagen-publish-claim/2"
+ABANDONED_NAME = "abandoned.json"
+ABANDONED_FORMAT = "datagen-abandoned/1"
 DEFAULT_WORKERS = 4
 
 _T = TypeVar("_T")
@@ -103,18 +114,37 @@ def _parallel(fn: Callable[[_T], _R], items: Iterable[_T], workers: int) -> list
         return [f.result() for f in futures]
 
 
-def _claim_body(namespace: str, files: list[StagedFile]) -> bytes:
-    # Deterministic bytes (no timestamps): a re-run of the same files produces the identical claim.
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _json_bytes(body: dict[str, Any], ns: str) -> bytes:
+    try:
+        return (json.dumps(body, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
+    except (TypeError, ValueError) as exc:
+        raise PublishError(f"lineage for namespace {ns!r} is not plain JSON: {exc}") from None
+
+
+def _claim_body(namespace: str, files: list[StagedFile], created_at: str, lineage: dict[str, Any]) -> bytes:
+    # The files, and what the manifest will say besides them: a resumed publish builds the manifest from the
+    # claim it finds, so the manifest is the first attempt's whatever the resuming run knows (issue 24).
     body = {
         "format": CLAIM_FORMAT,
         "namespace": namespace,
         "objects": [f.model_dump() for f in files],
+        "created_at": created_at,
+        "lineage": lineage,
     }
-    return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
+    return _json_bytes(body, namespace)
 
 
 def _manifest_body(
-    uri: str, namespace: str, objects: list[StagedFile], lineage: dict[str, Any], row_counts: dict[str, int]
+    uri: str,
+    namespace: str,
+    objects: list[StagedFile],
+    lineage: dict[str, Any],
+    row_counts: dict[str, int],
+    created_at: str,
 ) -> bytes:
     entries = []
     for obj in objects:
@@ -126,7 +156,7 @@ def _manifest_body(
         "format": MANIFEST_FORMAT,
         "uri": uri,
         "namespace": namespace,
-        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "created_at": created_at,
         "objects": entries,
         "total_bytes": sum(o.size for o in objects),
         "total_rows": {
@@ -135,10 +165,7 @@ def _manifest_body(
         },
         "lineage": lineage,
     }
-    try:
-        return (json.dumps(body, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
-    except (TypeError, ValueError) as exc:
-        raise PublishError(f"lineage for namespace {namespace!r} is not plain JSON: {exc}") from None
+    return _json_bytes(body, namespace)
 
 
 def _row_counts(lineage: dict[str, Any]) -> dict[str, int]:
@@ -148,6 +175,47 @@ def _row_counts(lineage: dict[str, Any]) -> dict[str, int]:
     return dict(raw)
 
 
+def _read_claim(store: ObjectStore, key: str) -> tuple[bytes, dict[str, Any]] | None:
+    """The claim's bytes and body, or None when there is none."""
+    if store.head(key) is None:
+        return None
+    raw = store.get_bytes(key)
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict) or not isinstance(body.get("objects"), list):
+        raise PublishError(f"{store.uri(key)} is not a publish claim; namespace {key.split('/')[0]!r} holds other data")
+    return raw, body
+
+
+def _same_files(claim: dict[str, Any], files: list[StagedFile]) -> bool:
+    return bool(claim.get("objects") == [f.model_dump() for f in files])
+
+
+def _unfinished_by_others(store: ObjectStore, claim_key: str, ns: str, claim: dict[str, Any]) -> PublishError:
+    raw = claim.get("lineage")
+    lineage: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    who = ", ".join(
+        f"{k} {v}" for k, v in (("claimed", claim.get("created_at")), ("plan", lineage.get("plan_sha256"))) if v
+    )
+    return PublishError(
+        f"{store.uri(claim_key)} already exists: namespace {ns!r} holds an unfinished publish of other files"
+        f"{f' ({who})' if who else ''}; this run cannot finish it and wrote nothing there. To finish it, re-run "
+        "the run that claimed it (same namespace, same DATAGEN_WORK_DIR: it re-publishes the same bytes); if that "
+        f"run's work dir is gone, mark the namespace abandoned with `datagen abandon {ns}` and publish under a new one"
+    )
+
+
+def _refuse_abandoned(store: ObjectStore, ns: str) -> None:
+    key = f"{ns}/{ABANDONED_NAME}"
+    if store.head(key) is not None:
+        raise PublishError(
+            f"{store.uri(key)} exists: namespace {ns!r} was abandoned (its objects stay as they are, nothing is "
+            "written there any more); publish under a new namespace"
+        )
+
+
 def publish(
     staging_dir: Path,
     namespace: str,
@@ -155,11 +223,15 @@ def publish(
     lineage: dict[str, Any],
     dry_run: bool = False,
     workers: int = DEFAULT_WORKERS,
+    created_at: str | None = None,
 ) -> PublishResult:
     """Upload staging_dir under namespace/ (claim first, manifest last), resuming an interrupted identical publish.
 
     `lineage` goes into the manifest verbatim (run spec, model fingerprint, SGLang version, GPU type,
     chat-template hash, pipeline version); an optional `lineage["row_counts"]` maps keys to row counts.
+    `created_at` (default: now) dates the manifest. A publish that finds its own claim (same files) takes the
+    manifest's lineage and date from that claim, so every attempt writes the same bytes; a namespace whose
+    manifest is already the one this publish would write counts as published by it (nothing is written).
     """
     ns = namespace.strip("/")
     if not ns or "/" in ns or ns in (".", ".."):
@@ -169,35 +241,49 @@ def publish(
     claim_key = f"{ns}/{CLAIM_NAME}"
 
     files = stage_files(staging_dir, workers)
-    claim = _claim_body(ns, files)
-    claim_file = StagedFile(key=CLAIM_NAME, size=len(claim), sha256=hashlib.sha256(claim).hexdigest())
     row_counts = _row_counts(lineage)
     unknown = sorted(set(row_counts) - {f.key for f in files})
     if unknown:
         raise PublishError(f"lineage['row_counts'] names files that are not staged: {unknown[:5]}")
     # Built (and validated) before any write: a lineage that is not JSON must not leave a half-published namespace.
-    manifest = _manifest_body(uri, ns, [claim_file, *files], lineage, row_counts)
-    expected = {f.key: f for f in [claim_file, *files]}
+    claim = _claim_body(ns, files, created_at or _now(), lineage)
+    _refuse_abandoned(store, ns)
+    found = _read_claim(store, claim_key)
+    if found is not None:
+        if not _same_files(found[1], files):
+            if store.head(manifest_key) is not None:
+                raise PublishError(_published(store, manifest_key, ns))
+            raise _unfinished_by_others(store, claim_key, ns, found[1])
+        claim = found[0]  # our own earlier attempt's claim: its bytes, lineage and date stand
 
-    if store.head(manifest_key) is not None:
-        raise PublishError(
-            f"{store.uri(manifest_key)} already exists: the dataset in namespace {ns!r} is published; "
-            "choose a new namespace"
-        )
+    def manifest_for(claim_bytes: bytes) -> tuple[StagedFile, bytes]:
+        body = json.loads(claim_bytes)
+        first = StagedFile(key=CLAIM_NAME, size=len(claim_bytes), sha256=hashlib.sha256(claim_bytes).hexdigest())
+        # Old claims (no lineage or date in them) leave this attempt's.
+        pinned_lineage = body.get("lineage", lineage)
+        pinned_at = str(body.get("created_at") or created_at or _now())
+        rows = _row_counts(pinned_lineage)
+        return first, _manifest_body(uri, ns, [first, *files], pinned_lineage, rows, pinned_at)
+
+    claim_file, manifest = manifest_for(claim)
+    expected = {f.key: f for f in [claim_file, *files]}
+    total_bytes = sum(f.size for f in expected.values()) + len(manifest)
+    result = PublishResult(
+        uri=uri, namespace=ns, objects=len(expected) + 1, bytes=total_bytes, manifest_key=manifest_key, dry_run=dry_run
+    )
+
+    published = store.head(manifest_key)
+    if published is not None:
+        if found is not None and published.sha256 == hashlib.sha256(manifest).hexdigest():
+            # An earlier attempt of this publish got as far as the manifest (then was killed): it is done.
+            result.skipped = sorted([f"{ns}/{k}" for k in expected] + [manifest_key])
+            return result
+        raise PublishError(_published(store, manifest_key, ns))
     present = _verify_existing(store, ns, expected, workers)
 
     to_write = [f for f in files if f.key not in present]
     claim_needed = CLAIM_NAME not in present
-    total_bytes = sum(f.size for f in expected.values()) + len(manifest)
-    result = PublishResult(
-        uri=uri,
-        namespace=ns,
-        objects=len(expected) + 1,
-        bytes=total_bytes,
-        manifest_key=manifest_key,
-        skipped=sorted(f"{ns}/{k}" for k in present),
-        dry_run=dry_run,
-    )
+    result.skipped = sorted(f"{ns}/{k}" for k in present)
     if dry_run:
         result.planned = ([claim_key] if claim_needed else []) + [f"{ns}/{f.key}" for f in to_write] + [manifest_key]
         return result
@@ -206,14 +292,17 @@ def publish(
         try:
             store.put_if_absent(claim_key, claim, sha256=claim_file.sha256)
             result.written.append(claim_key)
-        except ObjectExists as exc:
-            # Lost a race for the namespace; an identical claim is a twin publish of the same files.
-            if exc.existing_sha256 != claim_file.sha256:
+        except ObjectExists:
+            # Lost a race for the namespace; a claim of the same files is a twin publish of them: its claim stands.
+            raced = _read_claim(store, claim_key)
+            if raced is None or not _same_files(raced[1], files):
                 raise PublishError(
                     f"{store.uri(claim_key)} was just created by another publish of different files; "
                     f"namespace {ns!r} is taken: choose a new namespace"
                 ) from None
+            claim_file, manifest = manifest_for(raced[0])
             result.skipped.append(claim_key)
+    kill_point("publish.after-claim")
 
     staging = Path(staging_dir)
 
@@ -228,6 +317,7 @@ def publish(
                 f"{store.uri(key)} appeared during the upload with different content "
                 f"(sha256 {exc.existing_sha256}, ours {f.sha256}); publish stopped, nothing was replaced"
             ) from None
+        kill_point("publish.after-first-file")
         return True
 
     uploaded = _parallel(upload, to_write, workers)
@@ -243,13 +333,68 @@ def publish(
         )
     try:
         store.put_if_absent(manifest_key, manifest)
-    except ObjectExists:
-        raise PublishError(
-            f"{store.uri(manifest_key)} was written by another publish meanwhile; namespace {ns!r} is published"
-        ) from None
-    result.written.append(manifest_key)
+        result.written.append(manifest_key)
+    except ObjectExists as exc:
+        if exc.existing_sha256 != hashlib.sha256(manifest).hexdigest():
+            raise PublishError(
+                f"{store.uri(manifest_key)} was written by another publish meanwhile; namespace {ns!r} is published"
+            ) from None
+        result.skipped.append(manifest_key)  # a twin publish of the same claim finished first
+    kill_point("publish.after-manifest")
     result.skipped.sort()
     return result
+
+
+def _published(store: ObjectStore, manifest_key: str, ns: str) -> str:
+    return (
+        f"{store.uri(manifest_key)} already exists: the dataset in namespace {ns!r} is published; "
+        "choose a new namespace"
+    )
+
+
+def published_as_staged(store: ObjectStore, namespace: str, staging_dir: Path) -> dict[str, Any] | None:
+    """The namespace's manifest if it lists exactly the files staged in staging_dir (this run published it)."""
+    ns = namespace.strip("/")
+    key = f"{ns}/{MANIFEST_NAME}"
+    if not Path(staging_dir).is_dir() or store.head(key) is None:
+        return None
+    try:
+        files = stage_files(staging_dir)
+        manifest = json.loads(store.get_bytes(key))
+        listed = [{k: o[k] for k in ("key", "size", "sha256")} for o in manifest["objects"] if o["key"] != CLAIM_NAME]
+    except (PublishError, ValueError, KeyError, TypeError):
+        return None  # not this run's (or not a manifest of ours): the publish step refuses it with its reason
+    return manifest if listed == [f.model_dump() for f in files] else None
+
+
+def abandon(store: ObjectStore, namespace: str, reason: str) -> str:
+    """Mark an unfinished namespace abandoned (one new marker object; nothing deleted or replaced); its s3:// URI.
+
+    Idempotent. A published namespace (it has a manifest) cannot be abandoned.
+    """
+    ns = namespace.strip("/")
+    if not ns or "/" in ns or ns in (".", ".."):
+        raise PublishError(f"invalid namespace {namespace!r}")
+    key = f"{ns}/{ABANDONED_NAME}"
+    if store.head(f"{ns}/{MANIFEST_NAME}") is not None:
+        raise PublishError(
+            f"{store.uri(ns + '/' + MANIFEST_NAME)} exists: namespace {ns!r} is published; there is nothing to abandon"
+        )
+    left = [o for o in store.list(ns + "/") if o.key != key]
+    if not left and store.head(key) is None:
+        raise PublishError(f"{store.uri(ns + '/')} holds nothing: there is no unfinished publish to abandon")
+    found = _read_claim(store, f"{ns}/{CLAIM_NAME}") if any(o.key.endswith("/" + CLAIM_NAME) for o in left) else None
+    body = {
+        "format": ABANDONED_FORMAT,
+        "namespace": ns,
+        "abandoned_at": _now(),
+        "reason": reason,
+        "claim": {k: found[1].get(k) for k in ("created_at", "lineage")} if found else None,
+        "objects_left": [{"key": o.key[len(ns) + 1 :], "size": o.size} for o in left],
+    }
+    with contextlib.suppress(ObjectExists):  # abandoned before: the first marker stands
+        store.put_if_absent(key, _json_bytes(body, ns))
+    return store.uri(key)
 
 
 def _verify_existing(store: ObjectStore, ns: str, expected: dict[str, StagedFile], workers: int) -> set[str]:
@@ -277,11 +422,6 @@ def _verify_existing(store: ObjectStore, ns: str, expected: dict[str, StagedFile
 
 
 def _differs(store: ObjectStore, key: str, what: str, ns: str) -> str:
-    if key.endswith("/" + CLAIM_NAME):
-        return (
-            f"{store.uri(key)} already exists: namespace {ns!r} is claimed by a publish of different files ({what}); "
-            "choose a new namespace"
-        )
     return (
         f"{store.uri(key)} already exists with different content ({what}); it will not be replaced: "
         "choose a new namespace"

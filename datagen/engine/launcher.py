@@ -550,6 +550,10 @@ class ServerFleet(Sequence[ServerEndpoint]):
         self.engine_version: str | None = None
         self._servers: list[_Server] = []
         self._stopped = False
+        # Set by stop(): a restart still waiting for its server gives up at once. Unset, the wait (60 s attached,
+        # server_start_timeout_s started) ran on in an executor thread that the interpreter joins at exit: the
+        # pipeline lingered 32 s past its flow's end after a server was killed (issue 24).
+        self._closing = threading.Event()
         # Orders "may we launch?" against stop(): a restart racing a teardown must not leak a server.
         # Re-entrant: a SIGTERM handler may run stop() on the thread that holds it.
         self._launch_lock = threading.RLock()
@@ -643,6 +647,7 @@ class ServerFleet(Sequence[ServerEndpoint]):
 
     def stop(self) -> None:
         """Stop every server this fleet started (attached servers are never touched); idempotent."""
+        self._closing.set()
         if self.attached:
             return
         with self._launch_lock:
@@ -676,13 +681,16 @@ class ServerFleet(Sequence[ServerEndpoint]):
             if target.ready_at > asked_at:
                 return  # another caller restarted it after we asked
             if self.attached:
-                self._wait_ready(target, self.attach_timeout_s, threading.Event())
+                with contextlib.suppress(_Aborted):  # the fleet stopped: nobody waits for this server any more
+                    self._wait_ready(target, self.attach_timeout_s, self._closing)
                 return
             logger.warning("restarting server %s", name)
             self._stop_server(target)
             self._launch(target, note="restarting")
             try:
-                self._wait_ready(target, self.settings.server_start_timeout_s, threading.Event())
+                self._wait_ready(target, self.settings.server_start_timeout_s, self._closing)
+            except _Aborted:
+                self._stop_server(target)
             except BaseException:
                 self._stop_server(target)
                 raise

@@ -105,6 +105,7 @@ def test_flow_publishes_token_exact_dataset_and_never_overwrites(
     prompt_file: Path,
     model_dir: Path,
     tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     spec = _spec(prompt_file, model_dir, "e2e_v1")
     report = expand_dataset(spec)
@@ -157,8 +158,13 @@ def test_flow_publishes_token_exact_dataset_and_never_overwrites(
         assert row["loss_mask"] == [0] * n_prompt + [1] * row["completion_tokens"]
         assert len(row["input_ids"]) == n_prompt + row["completion_tokens"]
 
-    # Same namespace again: refused with a clear error, and every object stays byte-identical.
+    # The same run again (its work dir holds what it published) finds its own manifest and is done; another run
+    # (here: another work dir) is refused with a clear error. Every object stays byte-identical.
     before = _snapshot(store, "e2e_v1/")
+    again = expand_dataset(spec)
+    assert again["already_published"] is True and again["uri"] == store.uri("e2e_v1/")
+    assert _snapshot(store, "e2e_v1/") == before
+    monkeypatch.setenv("DATAGEN_WORK_DIR", str(tmp_path / "another-box"))
     with pytest.raises(Exception, match=r"e2e_v1.*(already|holds|published)"):
         expand_dataset(spec)
     assert _snapshot(store, "e2e_v1/") == before

@@ -23,6 +23,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
+from datagen import catalog
 from datagen.identity import PromptIdentity
 from datagen.localstack import LocalS3
 from datagen.model_fixture import ensure_model_dir
@@ -220,6 +221,8 @@ def test_two_boxes_share_a_run_and_a_killed_box_loses_nothing(
     assert not set(shipped) & set(rejected)
     assert set(shipped) | set(rejected) == expected
     assert len(shipped) + len(rejected) == N_PROMPTS
+    # The parent wrote the namespace's catalog part: a later expansion skips every one of these prompts.
+    assert catalog.published_prompt_ids(store) == expected
 
     # The work was spread: both boxes claimed shards and rows of both are among the collected rows.
     assert claim_boxes() == {"box-a", "box-b"}

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -344,6 +345,27 @@ def test_attach_mode_checks_health_and_never_stops_the_servers(tmp_path: Path, l
         fleet.stop()
         assert healthy(url)
         assert not any(pid_gone(p) for p in owner.pids().values())
+
+
+@pytest.mark.usefixtures("fast_standin")
+def test_stop_ends_a_restart_still_waiting_for_a_dead_attached_server(tmp_path: Path, leftovers: list[int]) -> None:
+    # The dispatcher runs restart() in an executor thread that the interpreter joins at exit: a wait that stop()
+    # does not end kept the pipeline alive past its flow's end (32 s measured, issue 24).
+    owner_settings, spec, layout = make(tmp_path, 1)
+    owner = ServerFleet(owner_settings, spec, layout, KEY)
+    owner.start()
+    leftovers.extend(owner.pids().values())
+    attach = Settings(engine="sglang", server_urls=[owner[0].url], work_dir=tmp_path)
+    fleet = ServerFleet(attach, spec, layout, KEY, attach_timeout_s=3600.0)
+    fleet.start()
+    owner.stop()  # the attached server dies
+    waiting = threading.Thread(target=fleet.restart, args=("server-0",), daemon=True)
+    waiting.start()
+    waiting.join(timeout=1.0)
+    assert waiting.is_alive(), "restart() returned although its server is dead"
+    fleet.stop()
+    waiting.join(timeout=120)  # hang guard: without the fix it waits out attach_timeout_s (an hour)
+    assert not waiting.is_alive(), "stop() did not end the restart's wait"
 
 
 def test_attach_mode_fails_on_a_dead_url(tmp_path: Path) -> None:

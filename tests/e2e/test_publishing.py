@@ -18,7 +18,7 @@ import pytest
 
 from datagen.localstack import LocalS3
 from datagen.storage import ObjectStore
-from tasks.publishing import CLAIM_NAME, MANIFEST_NAME, PublishError, PublishResult, publish
+from tasks.publishing import CLAIM_NAME, MANIFEST_NAME, PublishError, PublishResult, abandon, publish
 
 LINEAGE: dict[str, Any] = {
     "run_spec": {"namespace": "ignored-here"},
@@ -243,3 +243,65 @@ def test_publish_killed_halfway_resumes_without_reuploading(
     listed = [f"killed/{o['key']}" for o in manifest["objects"]]
     assert len(listed) == len(set(listed)) == len(after) - 1
     assert set(listed) == set(after) - {f"killed/{MANIFEST_NAME}"}
+
+
+def test_a_resumed_publish_writes_the_first_attempts_manifest(s3_store: ObjectStore, tmp_path: Path) -> None:
+    staging = make_staging(tmp_path / "dataset")
+    first_lineage = {**LINEAGE, "engine_version": "0.5.23"}
+    # The first attempt wrote its claim and died; the re-run knows less (no server started: no engine version).
+    claim_only = publish(staging, "pinned", s3_store, first_lineage, dry_run=True, created_at="2026-01-02T03:04:05Z")
+    assert claim_only.planned[0] == f"pinned/{CLAIM_NAME}"
+    uninterrupted = publish(staging, "twin", s3_store, first_lineage, created_at="2026-01-02T03:04:05Z")
+    s3_store.put_if_absent(f"pinned/{CLAIM_NAME}", s3_store.get_bytes(f"twin/{CLAIM_NAME}"))
+    result = publish(
+        staging, "pinned", s3_store, {**LINEAGE, "engine_version": None}, created_at="2027-12-31T00:00:00Z"
+    )
+    assert result.skipped == [f"pinned/{CLAIM_NAME}"]
+    manifest = json.loads(s3_store.get_bytes(f"pinned/{MANIFEST_NAME}"))
+    assert manifest["created_at"] == "2026-01-02T03:04:05Z"
+    assert manifest["lineage"]["engine_version"] == "0.5.23"
+    twin = json.loads(s3_store.get_bytes(f"twin/{MANIFEST_NAME}"))
+    assert {**manifest, "uri": "", "namespace": ""} == {**twin, "uri": "", "namespace": ""}
+    assert uninterrupted.objects == result.objects
+
+    # Killed after the manifest: the same publish again finds its own manifest and is done, writing nothing.
+    before = snapshot(s3_store, "pinned/")
+    again = publish(staging, "pinned", s3_store, LINEAGE)
+    assert again.written == [] and f"pinned/{MANIFEST_NAME}" in again.skipped
+    assert snapshot(s3_store, "pinned/") == before
+
+
+def test_a_claim_of_other_files_names_the_command_that_unblocks_it(s3_store: ObjectStore, tmp_path: Path) -> None:
+    first = make_staging(tmp_path / "first")
+    publish(first, "stuck", s3_store, LINEAGE, dry_run=True)
+    twin = publish(first, "stuck-twin", s3_store, LINEAGE)
+    s3_store.put_if_absent(f"stuck/{CLAIM_NAME}", s3_store.get_bytes(f"stuck-twin/{CLAIM_NAME}"))
+    s3_store.put_if_absent("stuck/data/part-00000.parquet", first / "data" / "part-00000.parquet")
+    assert twin.written
+    before = snapshot(s3_store, "stuck/")
+    other = make_staging(tmp_path / "other")  # the work dir is gone: regenerated files differ
+    with pytest.raises(PublishError) as info:
+        publish(other, "stuck", s3_store, LINEAGE)
+    message = str(info.value)
+    assert "holds an unfinished publish of other files" in message
+    assert "re-run the run that claimed it" in message and "`datagen abandon stuck`" in message
+    assert snapshot(s3_store, "stuck/") == before
+
+    marker = abandon(s3_store, "stuck", "work dir lost")
+    assert marker == s3_store.uri("stuck/abandoned.json")
+    after = snapshot(s3_store, "stuck/")
+    assert {k: after[k] for k in before} == before and set(after) - set(before) == {"stuck/abandoned.json"}
+    body = json.loads(after["stuck/abandoned.json"])
+    assert body["reason"] == "work dir lost"
+    assert sorted(o["key"] for o in body["objects_left"]) == ["data/part-00000.parquet", CLAIM_NAME]
+    assert abandon(s3_store, "stuck", "again") == marker and snapshot(s3_store, "stuck/") == after
+    # Nothing is published there afterwards, not even the files that claimed it.
+    for staging in (first, other):
+        with pytest.raises(PublishError, match="was abandoned"):
+            publish(staging, "stuck", s3_store, LINEAGE)
+    assert snapshot(s3_store, "stuck/") == after
+    # A published namespace cannot be abandoned; an empty one has nothing to abandon.
+    with pytest.raises(PublishError, match="is published; there is nothing to abandon"):
+        abandon(s3_store, "stuck-twin", "no")
+    with pytest.raises(PublishError, match="holds nothing"):
+        abandon(s3_store, "never-used", "no")
