@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from datagen.chat import ChatTokenizer, TemplateError
+from datagen.chat import ChatTokenizer
+from datagen.prompt_view import PromptViewError, model_view
 from datagen.records import Message, Prompt, Reject, prompt_id_for, prompt_id_from_ids
 from datagen.runspec import PromptSource, RunSpec
 
@@ -57,6 +58,8 @@ LOAD_REJECT_REASONS = frozenset(
         "duplicate_prompt",
         "template_error",
         "prompt_too_long",
+        "invalid_unicode",
+        "prompt_decode_mismatch",
     }
 )
 
@@ -120,8 +123,9 @@ class PromptIdentity:
 
     Two rows whose messages differ only in what the template normalizes (e.g. whitespace it trims) render
     to the same ids, so they are one prompt: the later one is a `duplicate_prompt`. Rendering at load also
-    rejects what could never be sent (`template_error`, `prompt_too_long`); a row too large to fit is told
-    by its length alone, before anything is tokenized.
+    rejects what could never be sent (datagen.prompt_view: `template_error`, `prompt_too_long`,
+    `invalid_unicode`, `prompt_decode_mismatch`) with work bounded by the token limit, and keeps the messages
+    as the model sees them (normalized like the tokenizer normalizes).
     """
 
     def __init__(self, chat: ChatTokenizer, enable_thinking: bool, token_limit: int) -> None:
@@ -141,20 +145,15 @@ class PromptIdentity:
 
     def __call__(self, source: str, messages: list[Message]) -> str:
         """The prompt id of `messages` from `source`; raises _RowError for a prompt that cannot be sent."""
-        chars = self.chat.surely_over(messages, self.token_limit)
-        if chars is not None:
-            raise _RowError(
-                "prompt_too_long",
-                f"{chars} characters of content cannot fit in {self.token_limit} prompt tokens (a token holds at "
-                f"most {self.chat.max_token_bytes} bytes); rejected without tokenizing",
-            )
+        return self.identify(source, messages)[0]
+
+    def identify(self, source: str, messages: list[Message]) -> tuple[str, list[Message], str | None]:
+        """(prompt id, the messages as the model sees them, the normalization applied or None); see prompt_view."""
         try:
-            ids = self.chat.prompt_ids(messages, self.enable_thinking)
-        except TemplateError as exc:
-            raise _RowError("template_error", f"the chat template refused it: {exc}") from exc
-        if len(ids) > self.token_limit:
-            raise _RowError("prompt_too_long", f"prompt has {len(ids)} tokens, limit is {self.token_limit}")
-        return prompt_id_from_ids(source, ids)
+            view = model_view(self.chat, messages, self.enable_thinking, self.token_limit)
+        except PromptViewError as err:
+            raise _RowError(err.reason, err.message) from err
+        return prompt_id_from_ids(source, view.ids), view.messages, view.normalized
 
 
 def iter_prompts(
@@ -220,7 +219,11 @@ def _to_prompt(
             raise _RowError("not_an_object", f"row is a JSON {type(raw).__name__}, expected an object")
         messages = _messages(raw, source.format)
         category = _category(raw, source.category_field)
-        prompt_id = identity(label, messages) if identity is not None else prompt_id_for(label, messages)
+        normalized = None
+        if identity is not None:
+            prompt_id, messages, normalized = identity.identify(label, messages)
+        else:
+            prompt_id = prompt_id_for(label, messages)
     except _RowError as err:
         return Reject(
             stage="load", reason=err.reason, detail=f"{where}: {err.message}", source=label, row=row, location=where
@@ -236,7 +239,15 @@ def _to_prompt(
             location=where,
         )
     seen.add(prompt_id)
-    return Prompt(prompt_id=prompt_id, source=label, row=row, messages=messages, category=category, location=where)
+    return Prompt(
+        prompt_id=prompt_id,
+        source=label,
+        row=row,
+        messages=messages,
+        category=category,
+        location=where,
+        normalized=normalized,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
