@@ -557,6 +557,7 @@ def check_quality_gate(
     downstream_rejects: int = 0,
     upstream_reasons: dict[str, int] | None = None,
     reject_paths: list[str] | None = None,
+    downstream_reasons: dict[str, int] | None = None,
 ) -> GateReport:
     """Check the dataset against the gate.
 
@@ -564,7 +565,8 @@ def check_quality_gate(
     rejects, and tokenization rejects (`downstream_rejects`, when the gate is re-run before publish).
     Length and mix checks look at the accepted samples. Samples without a category label count in the
     denominator of category shares but are not a category themselves. `upstream_reasons` ('stage/reason'
-    -> count, summing to `upstream_rejects`) and `reject_paths` name the rejects in the report.
+    -> count, summing to `upstream_rejects`), `downstream_reasons` (the same for `downstream_rejects`) and
+    `reject_paths` name the rejects in the report.
     """
     accepted = summary.accepted - downstream_rejects
     attempted = summary.total + upstream_rejects
@@ -601,8 +603,10 @@ def check_quality_gate(
         reasons.update(named)
         if upstream_rejects > sum(named.values()):
             reasons["load+generate (reasons not given)"] = upstream_rejects - sum(named.values())
-        if downstream_rejects:
-            reasons["tokenize"] = downstream_rejects
+        named_after = downstream_reasons or {}
+        reasons.update(named_after)
+        if downstream_rejects > sum(named_after.values()):
+            reasons["tokenize (reasons not given)"] = downstream_rejects - sum(named_after.values())
         evidence.append(_reasons_line("rejects by reason", reasons, attempted))
         if reject_paths:
             evidence.append("  reject rows (file, line and detail of each): " + ", ".join(reject_paths))

@@ -15,6 +15,43 @@ __all__ = ["AUTO_NAMESPACE", "PromptSource", "QualityGate", "RunSpec", "Sampling
 
 AUTO_NAMESPACE = "auto"  # RunSpec.namespace value: the flow picks the next free `expansion_vN`
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# Reasons of the rejects the prompt catalog lists (stages generate, validate, tokenize; load rejects have no
+# prompt id and are always read again). Kept in step with tasks.generation, datagen.quality.VALIDATION_REASONS
+# and tasks.tokenization.TOKENIZE_REASONS (tests/test_expansion.py checks).
+RETRYABLE_REASONS = frozenset(
+    {
+        # generate
+        "template_error",
+        "prompt_too_long",
+        "server_rejected",
+        "protocol_error",
+        # validate
+        "malformed_record",
+        "empty_completion",
+        "token_count_mismatch",
+        "aborted",
+        "unknown_finish_reason",
+        "truncated",
+        "invalid_utf8",
+        "placeholder",
+        "repeated_tail",
+        "repeated_block",
+        "unclosed_thinking",
+        "malformed_thinking",
+        "text_mismatch",
+        "empty_thinking",
+        "empty_answer",
+        "repetition",
+        "duplicate_request",
+        "duplicate_completion",
+        # tokenize
+        "prompt_token_mismatch",
+        "prompt_decode_mismatch",
+        "completion_decode_mismatch",
+        "rerender_unsupported",
+        "rerender_prefix_mismatch",
+    }
+)
 _BOX_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 
 
@@ -151,7 +188,16 @@ class RunSpec(BaseModel):
         True,
         description=(
             "Skip every prompt id already published in an earlier namespace (the prompt catalog in S3), "
-            "so a run generates only new prompts."
+            "so a run generates only new prompts. A prompt that an earlier run rejected after loading "
+            "(generate, validate or tokenize stage) counts as published unless its reason is in retry_rejected."
+        ),
+    )
+    retry_rejected: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Reject reasons (e.g. truncated, server_rejected) whose prompts this run generates again although an "
+            "earlier namespace published them as rejects: for causes that were a setting (a max_new_tokens that "
+            "truncated them), not the prompt. Default: none, every rejected prompt stays skipped for good."
         ),
     )
     source_targets: list[Target] = Field(
@@ -222,6 +268,17 @@ class RunSpec(BaseModel):
         if ":" in v:
             raise ValueError("served_model_name must not contain ':' (SGLang reads it as base:lora-adapter)")
         return v
+
+    @field_validator("retry_rejected")
+    @classmethod
+    def _retry_reasons(cls, v: list[str]) -> list[str]:
+        bad = [r for r in v if r not in RETRYABLE_REASONS]
+        if bad:
+            raise ValueError(
+                f"retry_rejected: {', '.join(map(repr, bad))} not a reason a published reject can carry "
+                f"(one of: {', '.join(sorted(RETRYABLE_REASONS))})"
+            )
+        return sorted(set(v))
 
     @field_validator("source_targets", "category_targets", mode="before")
     @classmethod

@@ -52,7 +52,7 @@ def pilot_flow(spec: RunSpec = RunSpec(), pilot_spec: pilot.PilotSpec = pilot.Pi
     check_environment_task(settings, spec, store)
     # The sample comes from what the main run would generate: the same catalog skips and targets.
     exclude = set() if spec.namespace == AUTO_NAMESPACE else {spec.namespace}
-    skip = published_prompt_ids(store, exclude=exclude) if spec.skip_published else set()
+    skip = published_prompt_ids(store, exclude=exclude, retry=spec.retry_rejected) if spec.skip_published else set()
     plan, population = plan_pilot_task(spec, pilot_spec, layout, skip)
     logger.info("pilot sample: %d prompts in %d shards", plan.n_prompts, len(plan.shard_ids))
     if plan.n_prompts == 0:

@@ -272,3 +272,19 @@ def test_huge_row_is_rejected_as_too_long_without_being_tokenized(
     assert "4999999 characters of content cannot fit in 4096 prompt tokens" in reject.detail
     assert "without tokenizing" in reject.detail
     assert max(encoded) < 1000  # only the short row was ever tokenized
+
+
+def test_plan_counts_rows_in_the_sources_before_selection(tmp_path: Path) -> None:
+    # Issue 23.6: an empty source and a source whose every prompt is skipped both planned 0 rows; only the
+    # count before selection tells them apart (the report then says "the sources are empty").
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    plan = plan_shards(spec_for(empty), RunLayout(tmp_path / "run-empty"))
+    assert (plan.n_rows, plan.n_rows_in_sources) == (0, 0)
+    full = write_rows(tmp_path / "full.jsonl", 5)
+    skip_all = plan_shards(
+        spec_for(full), RunLayout(tmp_path / "run-skip"), select=lambda items: (i for i in items if False)
+    )
+    assert (skip_all.n_rows, skip_all.n_rows_in_sources) == (0, 5)
+    again = read_plan(RunLayout(tmp_path / "run-skip"))
+    assert again is not None and again.n_rows_in_sources == 5
