@@ -124,13 +124,41 @@ class ValidationSpec(BaseModel):
         64, ge=1, description="Back-to-back copies of a block count as a loop only when they span this many tokens."
     )
     max_loop_share: float = Field(
-        0.2,
+        0.1,
         gt=0.0,
         le=1.0,
         description=(
-            "Reject when back-to-back copies of one block (any block size) span more than this share of the "
-            "completion; a completion that ends in 3 or more copies is rejected at any share."
+            "Reject when 3 or more back-to-back copies of one block (any block size) span more than this share of "
+            "the completion; a completion that ends in 3 or more copies is rejected at any share. A block of "
+            "structure (see structural_word_share) in a finished completion is exempt."
         ),
+    )
+    structural_word_share: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "A repeated block whose share of word tokens is below this (matrix rows, table rows, code, separators) "
+            "is the answer's structure, not a loop, when the completion finished and it repeats at most "
+            "max_structural_copies times."
+        ),
+    )
+    max_structural_copies: int = Field(
+        128, ge=1, description="More back-to-back copies than this of a block of structure count as a loop."
+    )
+    min_loop_copies: int = Field(
+        5,
+        ge=2,
+        description=(
+            "A prose 8-gram (5 or more of its 8 tokens are words) that occurs this many times, back to back or not, "
+            "is part of a loop (a chorus sung up to min_loop_copies - 1 times is not)."
+        ),
+    )
+    max_loop_coverage: float = Field(
+        0.1,
+        gt=0.0,
+        le=1.0,
+        description="Reject when the tokens inside looping prose 8-grams (see min_loop_copies) exceed this share.",
     )
     reject_truncated: bool = Field(True, description="Reject completions cut at max_new_tokens.")
     max_repeated_ngram_share: float = Field(

@@ -22,6 +22,7 @@ from datagen.catalog import published_prompt_ids
 from datagen.chat import ChatTokenizer
 from datagen.engine.dispatcher import Dispatcher
 from datagen.layout import RunLayout
+from datagen.repetition import word_tokens
 from datagen.runspec import AUTO_NAMESPACE, RunSpec
 from datagen.settings import Settings
 from datagen.storage import ObjectStore
@@ -82,6 +83,7 @@ def pilot_flow(spec: RunSpec = RunSpec(), pilot_spec: pilot.PilotSpec = pilot.Pi
         layout.validated_dir,
         spec.validation,
         spec.sampling.enable_thinking,
+        word_tokens(chat),  # judged like the main run: structure is not a loop
     )
     servers = pilot_spec.project_servers or settings.num_servers
     projection = project_task(layout, plan, population, summary, throughput, servers, pilot_spec)
