@@ -24,11 +24,79 @@ import tempfile
 import time
 from pathlib import Path
 
-WORDS = (
-    "the of and to in is that for it as with was on be by at this from have or an are not but which one all "
-    "their there were been has when who will more if no out so what up can about into than them only other new "
-    "some could time these two may then first any like now my such make over our even most also after very"
-).split()
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "that",
+    "for",
+    "it",
+    "as",
+    "with",
+    "was",
+    "on",
+    "be",
+    "by",
+    "at",
+    "this",
+    "from",
+    "have",
+    "or",
+    "an",
+    "are",
+    "not",
+    "but",
+    "which",
+    "one",
+    "all",
+    "their",
+    "there",
+    "were",
+    "been",
+    "has",
+    "when",
+    "who",
+    "will",
+    "more",
+    "if",
+    "no",
+    "out",
+    "so",
+    "what",
+    "up",
+    "can",
+    "about",
+    "into",
+    "than",
+    "them",
+    "only",
+    "other",
+    "new",
+    "some",
+    "could",
+    "time",
+    "these",
+    "two",
+    "may",
+    "then",
+    "first",
+    "any",
+    "like",
+    "now",
+    "my",
+    "such",
+    "make",
+    "over",
+    "our",
+    "even",
+    "most",
+    "also",
+    "after",
+    "very",
+]
 
 
 def _child(path: str, limit: int) -> dict[str, float | str]:
@@ -47,7 +115,12 @@ def _child(path: str, limit: int) -> dict[str, float | str]:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     item = items[0]
     outcome = f"reject {item.reason}: {item.detail[:160]}" if isinstance(item, Reject) else "prompt"
-    return {"seconds": round(seconds, 2), "baseline_rss_mb": round(base), "peak_rss_mb": round(peak), "outcome": outcome}
+    return {
+        "seconds": round(seconds, 2),
+        "baseline_rss_mb": round(base),
+        "peak_rss_mb": round(peak),
+        "outcome": outcome,
+    }
 
 
 def _row_file(directory: Path, mb: int) -> Path:

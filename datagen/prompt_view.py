@@ -36,6 +36,7 @@ _FORMS: tuple[NormalForm, ...] = ("NFKC", "NFKD", "NFC", "NFD")  # NFKC first: "
 # Characters tokenized at once while counting a large prompt: small enough that the tokenizer's working memory
 # (~170 bytes per character for Qwen's BPE) stays at tens of MB, large enough that per-call overhead is noise.
 CHUNK_CHARS = 64 << 10
+_CHARS_PER_TOKEN = 4
 
 
 class PromptViewError(ValueError):
@@ -144,10 +145,12 @@ def model_view(chat: ChatTokenizer, messages: list[Message], enable_thinking: bo
         )
     form = normalization_form(chat)
     sent, changed = normalize_messages(messages, form)
-    over = content_over_limit(chat, sent, limit)
+    total = sum(len(m["content"]) for m in sent)
+    # Counting first pays only for rows that are likely over: up to ~4 characters a token (English prose) a row is
+    # usually within the limit and is encoded once, whole, below; that work is bounded by 4 x limit characters.
+    over = content_over_limit(chat, sent, limit) if total > max(CHUNK_CHARS, _CHARS_PER_TOKEN * limit) else None
     if over is not None:
         tokens, read = over
-        total = sum(len(m["content"]) for m in sent)
         raise PromptViewError(
             "prompt_too_long",
             f"at least {tokens} tokens in the first {read} of {total} characters of content, limit is {limit}; "
