@@ -143,6 +143,9 @@ class Prompt:
     # Where the row is, to find it by hand: "file:line" (1-based, blank lines counted) for JSON lines and
     # JSON lists, "file:row N" for parquet, "dataset[split]:row N" for `datasets` rows (N 0-based).
     location: str | None = None
+    # The Unicode normalization applied at load so the messages are what the tokenizer makes of them ("NFC");
+    # None when the text was already so. Carried to the completion and the training row.
+    normalized: str | None = None
     # The rendered prompt's token ids when the loader rendered it (for its id): held in memory only, never in
     # the JSON line; planning writes them beside the shard (datagen.preparation) so generation need not render.
     input_ids: array[int] | None = field(default=None, repr=False, compare=False)
@@ -214,6 +217,7 @@ class Completion:
     category: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     location: str | None = None  # the input row (see Prompt.location)
+    normalized: str | None = None  # see Prompt.normalized
 
     def __post_init__(self) -> None:
         self.messages = _messages_in(self.messages)
@@ -256,6 +260,7 @@ class TokenRow:
     request_key: str
     category: str | None = None
     num_turns: int = 1
+    normalized: str | None = None  # see Prompt.normalized: the prompt text was normalized at load ("NFC")
 
 
 TOKEN_ROW_SCHEMA = pa.schema(
@@ -270,5 +275,6 @@ TOKEN_ROW_SCHEMA = pa.schema(
         pa.field("finish_reason", pa.string(), nullable=False),
         pa.field("request_key", pa.string(), nullable=False),
         pa.field("num_turns", pa.int16(), nullable=False),
+        pa.field("normalized", pa.string()),
     ]
 )

@@ -142,11 +142,18 @@ def _quality_gate(
     gate: QualityGate,
     upstream_reasons: dict[str, int],
     reject_paths: list[str],
-    downstream_rejects: int = 0,
+    downstream_reasons: dict[str, int] | None = None,
     namespace: str = "",
 ) -> validation.GateReport:
+    downstream = downstream_reasons or {}
     report = validation.check_quality_gate(
-        summary, gate, sum(upstream_reasons.values()), downstream_rejects, upstream_reasons, reject_paths
+        summary,
+        gate,
+        sum(upstream_reasons.values()),
+        sum(downstream.values()),
+        upstream_reasons,
+        reject_paths,
+        downstream,
     )
     create_markdown_artifact(
         markdown=validation.render_validation_report(summary, report),
@@ -207,7 +214,8 @@ def finish_dataset(
         spec.quality_gate,
         upstream_reasons,
         published_rejects,
-        tokenized.tokenize_rejected,
+        # Every tokenize reject by its reason: "tokenize=3" said nothing a person could act on.
+        {k: v for k, v in tokenized.rejects_by_reason.items() if k.startswith("tokenize/")},
         namespace=spec.namespace,
     )
     # Published with the data: each reject reason's share and example rows, and the gate that passed.
@@ -330,7 +338,11 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
     run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else None
     chat = ChatTokenizer.shared(spec.model_path)
     # Prompts an earlier namespace published are skipped (this run's own part is not: a rerun plans the same).
-    skip = catalog.published_prompt_ids(store, exclude={spec.namespace}) if spec.skip_published else set()
+    skip = (
+        catalog.published_prompt_ids(store, exclude={spec.namespace}, retry=spec.retry_rejected)
+        if spec.skip_published
+        else set()
+    )
     projection = pilot.load_projection(settings.work_dir, spec.pilot) if spec.pilot else None
     select, selection = ordering.run_filter(
         spec, skip, layout.root / "sort-spill", projection.length_model if projection else None
@@ -361,6 +373,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
             plan.n_load_rejects,
             spec.skip_published,
             selection.model_dump() if selection is not None else None,
+            plan.n_rows_in_sources,
         )
         create_markdown_artifact(
             markdown=markdown, key="run-report", description=f"Run report of {spec.namespace}: nothing to do"
