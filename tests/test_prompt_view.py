@@ -12,7 +12,7 @@ import pytest
 from datagen.chat import ChatTokenizer
 from datagen.identity import PromptIdentity
 from datagen.model_fixture import ensure_model_dir
-from datagen.preparation import Preparer
+from datagen.preparation import Preparer, Unsendable
 from datagen.prompt_view import CHUNK_CHARS, content_over_limit, model_view, normalization_form
 from datagen.prompts import iter_prompts
 from datagen.records import Completion, Message, Prompt, Reject
@@ -89,6 +89,22 @@ def test_a_prompt_that_cannot_round_trip_is_a_load_reject_with_its_reason(chat: 
     assert [p.messages[0].content for p in prompts] == ["fine"]
     assert [(r.reason, r.location) for r in rejects] == [("invalid_unicode", f"{f}:1")]
     assert "'\\ud800' at character 7" in rejects[0].detail
+
+
+def test_generation_prepares_through_the_same_view(chat: ChatTokenizer) -> None:
+    # One preparation (datagen.preparation) for load and generation: a shard rendered again at generation (no
+    # render cache) gets the ids load hashed, and an unsendable prompt the same reason.
+    prepare = Preparer(chat, True, 4096)
+    for text in NOT_NFC.values():
+        for content in (text, [{"type": "text", "text": text}]):
+            view = prepare.view([Message(role="user", content=content)])
+            assert view.normalized == "NFC" and view.messages[0].text == unicodedata.normalize("NFC", text)
+            assert prepare(view.messages) == view.ids == chat.prompt_ids([Message(role="user", content=text)])
+    with pytest.raises(Unsendable) as err:
+        prepare(
+            [Message(role="user", content="fine"), Message(role="assistant", content="ok", reasoning_content="\ud800")]
+        )
+    assert err.value.reason == "invalid_unicode" and "messages[1].reasoning_content" in err.value.detail
 
 
 def _words(rng: random.Random, n: int) -> str:
