@@ -1,6 +1,7 @@
 """The catalog of published prompt ids, kept in S3 beside the data: one immutable part per published namespace.
 
-    <prefix>_catalog/<namespace>.prompt-ids.parquet    prompt_id, source, category, status ("data" | "rejected")
+    <prefix>_catalog/<namespace>.prompt-ids.parquet    prompt_id, source, category, status ("data" | "rejected"),
+                                                        reason (a rejected prompt's reject reason)
 
 A part is written with `put_if_absent` right after its namespace's manifest, so it never changes once written and
 the catalog is the union of its parts. `_catalog/` cannot collide with a namespace (namespaces start with a letter
@@ -53,6 +54,7 @@ CATALOG_SCHEMA = pa.schema(
         pa.field("source", pa.string(), nullable=False),
         pa.field("category", pa.string()),
         pa.field("status", pa.string(), nullable=False),
+        pa.field("reason", pa.string()),  # rejected rows: why (a part written before it existed has no column)
     ]
 )
 
@@ -70,12 +72,14 @@ def _status_table(table: pa.Table, status: str, rank: int, file_no: int) -> pa.T
     """One file's rows as catalog columns plus sort keys (rank: data 0, rejected 1; seq: see below)."""
     n = table.num_rows
     category = table.column("category") if "category" in table.column_names else pa.nulls(n, pa.string())
+    reason = table.column("reason") if "reason" in table.column_names else pa.nulls(n, pa.string())
     return pa.table(
         {
             "prompt_id": table.column("prompt_id").cast(pa.string()),
             "source": table.column("source").cast(pa.string()),
             "category": category.cast(pa.string()),
             "status": pa.array([status] * n, pa.string()),
+            "reason": reason.cast(pa.string()),
             "_rank": pa.array([rank] * n, pa.int8()),
             # Sorted descending: the last rejected row wins, the first data row (data rows come negated).
             "_seq": pa.array([(file_no << 40) + i if rank else -((file_no << 40) + i) for i in range(n)], pa.int64()),
@@ -92,7 +96,7 @@ def build_part(parquet_files: Iterable[tuple[str, bytes | Path]]) -> bytes:
     parts: list[pa.Table] = []
     for file_no, (name, content) in enumerate(parquet_files):
         source = io.BytesIO(content) if isinstance(content, bytes) else content
-        columns = [c for c in ("prompt_id", "source", "category") if c in pq.read_schema(source).names]
+        columns = [c for c in ("prompt_id", "source", "category", "reason") if c in pq.read_schema(source).names]
         if isinstance(source, io.BytesIO):
             source.seek(0)
         data = name.startswith("data/")
@@ -109,7 +113,7 @@ def build_part(parquet_files: Iterable[tuple[str, bytes | Path]]) -> bytes:
         if len(ids) > 1:  # the first row of each run of equal ids is the one kept
             first = pc.not_equal(ids.slice(1), ids.slice(0, len(ids) - 1))
             rows = rows.filter(pa.concat_arrays([pa.array([True]), first]))
-        table = rows.select(["prompt_id", "source", "category", "status"]).cast(CATALOG_SCHEMA)
+        table = rows.select(["prompt_id", "source", "category", "status", "reason"]).cast(CATALOG_SCHEMA)
     else:
         table = CATALOG_SCHEMA.empty_table()
     out = io.BytesIO()
@@ -164,13 +168,32 @@ def catalog_namespaces(store: ObjectStore) -> list[str]:
     ]
 
 
-def published_prompt_ids(store: ObjectStore, exclude: Iterable[str] = ()) -> set[str]:
-    """Every prompt id in the catalog (data and rejected), except the parts of the `exclude` namespaces."""
+def published_prompt_ids(store: ObjectStore, exclude: Iterable[str] = (), retry: Iterable[str] = ()) -> set[str]:
+    """Every prompt id in the catalog (data and rejected), except the parts of the `exclude` namespaces.
+
+    A prompt whose only rows are rejects with a reason in `retry` is left out (a later run generates it again);
+    a part from before the catalog kept reasons cannot tell, so its rejects stay in.
+    """
     skip = set(exclude)
+    retried = set(retry)
     ids: set[str] = set()
     for namespace in catalog_namespaces(store):
-        if namespace not in skip:
+        if namespace in skip:
+            continue
+        if not retried:
             ids |= _part_ids(store, namespace)
+            continue
+        table = pq.read_table(io.BytesIO(store.get_bytes(part_key(namespace))))
+        if "reason" not in table.column_names:
+            log.warning("catalog: %s has no reject reasons; its rejects are not retried", part_key(namespace))
+            ids |= set(table.column("prompt_id").to_pylist())
+            continue
+        again = pc.and_(
+            pc.equal(table.column("status"), "rejected"), pc.is_in(table.column("reason"), pa.array(sorted(retried)))
+        )
+        again = pc.fill_null(again, False)
+        ids |= set(table.filter(pc.invert(again)).column("prompt_id").to_pylist())
+    # A prompt rejected for a retried reason here but published (or rejected otherwise) in another namespace: skipped.
     return ids
 
 

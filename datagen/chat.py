@@ -101,6 +101,11 @@ class ChatTokenizer:
         return _shared_tokenizer(str(model_dir), stamp)
 
     @property
+    def backend(self) -> Any:
+        """The Rust `tokenizers.Tokenizer` (its normalizer and pre-tokenizer; see datagen.prompt_view)."""
+        return self._fast
+
+    @property
     def chat_template(self) -> str:
         template = self._hf.chat_template
         assert isinstance(template, str)

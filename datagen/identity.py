@@ -24,6 +24,7 @@ from typing import Any
 
 from datagen.chat import ChatTokenizer
 from datagen.preparation import Preparer
+from datagen.prompt_view import PromptView
 from datagen.records import Message
 from datagen.runspec import RunSpec, SamplingSpec
 
@@ -63,8 +64,9 @@ class PromptIdentity:
     """A run's prompt ids: rendered by the checkpoint's template (`Preparer`), hashed with the source label.
 
     Two rows whose messages differ only in what the template normalizes (e.g. whitespace it trims) render
-    to the same ids, so they are one prompt. Rendering for the id also finds what could never be sent
-    (`Unsendable`: template_error, prompt_too_long), and the ids it made are reused (render once).
+    to the same ids, so they are one prompt; so do rows that differ only in what the tokenizer normalizes (NFC),
+    whose messages are kept normalized. Rendering for the id also finds what could never be sent (`Unsendable`:
+    template_error, prompt_too_long, invalid_unicode, prompt_decode_mismatch), and the ids it made are reused.
     """
 
     scheme = "rendered_token_ids"
@@ -87,8 +89,13 @@ class PromptIdentity:
 
     def __call__(self, source: str, messages: list[Message]) -> tuple[str, array[int]]:
         """(prompt id, rendered token ids) of `messages` from `source`; raises Unsendable."""
-        ids = self.preparer(messages)
-        return prompt_id_from_ids(source, ids), array("i", ids)
+        prompt_id, view = self.identify(source, messages)
+        return prompt_id, array("i", view.ids)
+
+    def identify(self, source: str, messages: list[Message]) -> tuple[str, PromptView]:
+        """(prompt id, the prompt as the model sees it: ids, normalized messages); raises Unsendable."""
+        view = self.preparer.view(messages)
+        return prompt_id_from_ids(source, view.ids), view
 
     def prompt_id(self, source: str, messages: list[Message]) -> str:
         """The prompt id alone; raises Unsendable."""

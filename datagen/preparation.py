@@ -1,6 +1,7 @@
 """Request preparation: a prompt's messages -> the token ids a server is sent, or why it cannot be sent.
 
-One function (`Preparer`) serves the loader, where a prompt's id is the hash of these ids (datagen.identity),
+One function (`Preparer`, over datagen.prompt_view's model view: normalized text, round trip, tokenizing bounded
+by the limit) serves the loader, where a prompt's id is the hash of these ids (datagen.identity),
 and generation. The render happens once, at planning: the loader's ids travel with each `Prompt` in memory
 and planning writes them beside the shard's prompts file (`shard-NNNNN.input-ids.arrow`), so generation reads
 them instead of rendering and tokenizing every prompt a second time. The file is a cache, not part of the plan:
@@ -21,7 +22,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from datagen.chat import ChatTokenizer, TemplateError
+from datagen.chat import ChatTokenizer
+from datagen.prompt_view import PromptView, PromptViewError, model_view
 from datagen.records import Message
 from datagen.storage import sha256_file
 
@@ -33,7 +35,7 @@ _IDS_SCHEMA = pa.schema([pa.field("input_ids", pa.list_(pa.int32()), nullable=Fa
 
 
 class Unsendable(ValueError):
-    """A prompt that can never be sent; `reason` is the reject reason (`template_error`, `prompt_too_long`)."""
+    """A prompt that can never be sent; `reason` is its reject reason (template_error, prompt_too_long, ...)."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
@@ -57,18 +59,19 @@ class Preparer:
 
     def __call__(self, messages: list[Message]) -> list[int]:
         """The prompt's token ids (generation prompt included); raises Unsendable."""
-        chars = self.chat.surely_over(messages, self.token_limit)
-        if chars is not None:  # told by its length alone: a huge row is never tokenized
-            raise Unsendable(
-                "prompt_too_long",
-                f"{chars} characters of content cannot fit in {self.token_limit} prompt tokens (a token holds at "
-                f"most {self.chat.max_token_bytes} bytes); rejected without tokenizing",
-            )
+        return self.view(messages).ids
+
+    def view(self, messages: list[Message]) -> PromptView:
+        """The prompt as the model sees it (ids, normalized messages; datagen.prompt_view); raises Unsendable.
+
+        The one check of what can be sent, at load and in generation alike: `template_error`,
+        `prompt_too_long` (work bounded by the limit, not the row's size), `invalid_unicode`,
+        `prompt_decode_mismatch`.
+        """
         try:
-            ids = self.chat.prompt_ids(messages, self.enable_thinking)
-        except TemplateError as exc:
-            raise Unsendable("template_error", f"the chat template refused it: {exc}") from exc
-        return self.fitting(ids)
+            return model_view(self.chat, messages, self.enable_thinking, self.token_limit, self.limit_note)
+        except PromptViewError as err:
+            raise Unsendable(err.reason, err.message) from err
 
     def fitting(self, ids: list[int]) -> list[int]:
         """`ids` when they fit the prompt budget; raises Unsendable (prompt_too_long) when they do not."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,8 @@ LOAD_REJECT_REASONS = frozenset(
         "template_error",
         "prompt_too_long",
         "bad_category",
+        "invalid_unicode",
+        "prompt_decode_mismatch",
     }
 )
 # A category value is copied into the dataset, its card and the UI: a short plain label, never markup or control text.
@@ -178,10 +181,13 @@ def _to_prompt(
             raise _RowError("not_an_object", f"row is a JSON {type(raw).__name__}, expected an object")
         messages = _messages(raw, source.format)
         category = _category(raw, source.category_field)
+        input_ids, normalized = None, None
         if identity is not None:
-            prompt_id, input_ids = identity(label, messages)
+            # The messages as the model sees them (normalized like the tokenizer normalizes) are what ships.
+            prompt_id, view = identity.identify(label, messages)
+            messages, normalized, input_ids = view.messages, view.normalized, array("i", view.ids)
         else:
-            prompt_id, input_ids = prompt_id_from_messages(label, messages), None
+            prompt_id = prompt_id_from_messages(label, messages)
     except Unsendable as err:  # _RowError included
         return Reject(
             stage="load", reason=err.reason, detail=f"{where}: {err.detail}", source=label, row=row, location=where
@@ -197,7 +203,15 @@ def _to_prompt(
             location=where,
         )
     seen.add(prompt_id)
-    prompt = Prompt(prompt_id=prompt_id, source=label, row=row, messages=messages, category=category, location=where)
+    prompt = Prompt(
+        prompt_id=prompt_id,
+        source=label,
+        row=row,
+        messages=messages,
+        category=category,
+        location=where,
+        normalized=normalized,
+    )
     prompt.input_ids = input_ids  # the render its id came from: planning keeps it for generation
     return prompt
 

@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field
 
 from datagen.chat import ENDOFTEXT_ID, IM_END_ID, THINK_END_ID, THINK_START_ID
 from datagen.records import Completion, Reject
+from datagen.repetition import prose_loops, word_share
 from datagen.runspec import QualityGate, ValidationSpec
 
 __all__ = [
@@ -72,7 +73,7 @@ VALIDATION_REASONS: tuple[str, ...] = (
     "text_mismatch",  # ids hold </think> but the text does not
     "empty_thinking",  # whitespace-only reasoning before a real answer
     "empty_answer",  # whitespace-only answer after real reasoning
-    "repetition",  # too many repeated 8-grams (not back-to-back): a loop in pieces
+    "repetition",  # prose 8-grams recurring 5+ times over max_loop_coverage, or most 8-grams repeat: a loop in pieces
     "duplicate_request",  # the same request key twice (a checkpoint written twice)
     "duplicate_completion",  # the same output ids for a different prompt
 )
@@ -176,29 +177,56 @@ def find_loops(ids: list[int], n: int = NGRAM, candidates: int = 16) -> tuple[Lo
     return longest, tail
 
 
-def _loop_verdict(c: Completion, body: list[int], spec: ValidationSpec) -> Verdict | None:
+def _loop_verdict(c: Completion, body: list[int], spec: ValidationSpec, words: np.ndarray | None) -> Verdict | None:
     longest, tail = find_loops(body)
 
     def where(loop: Loop) -> str:
         copies = f"{loop.copies:.1f} back-to-back copies of a {loop.period}-token block"
         return f"{copies} span {loop.span} of {len(body)} tokens"
 
-    if tail is not None and tail.copies >= 3 and tail.span >= spec.min_loop_tokens:
+    def structure(loop: Loop) -> bool:
+        """A finished completion's matrix, table, code or separator rows: the answer, not a loop."""
+        if words is None or c.finish_reason != "stop" or loop.copies > spec.max_structural_copies:
+            return False
+        return word_share(body[loop.start : loop.start + loop.period], words) < spec.structural_word_share
+
+    if tail is not None and tail.copies >= 3 and tail.span >= spec.min_loop_tokens and not structure(tail):
         cut = " until the token limit" if c.finish_reason == "length" else ""
         return Verdict(
             "repeated_tail", f"the completion ends in a loop{cut}: {where(tail)}; ends with {c.text[-80:]!r}"
         )
-    if longest is not None and longest.span >= spec.min_loop_tokens and longest.span > spec.max_loop_share * len(body):
+    if (
+        longest is not None
+        and longest.copies >= 3
+        and longest.span >= spec.min_loop_tokens
+        and longest.span > spec.max_loop_share * len(body)
+        and not structure(longest)
+    ):
         share = longest.span / len(body)
         return Verdict(
             "repeated_block",
             f"{where(longest)} ({share:.0%} > {spec.max_loop_share:.0%}), from token {longest.start}",
         )
+    if words is not None:
+        loops = prose_loops(body, words, spec.min_loop_copies, NGRAM)
+        if loops.covered >= spec.min_loop_tokens and loops.covered > spec.max_loop_coverage * len(body):
+            return Verdict(
+                "repetition",
+                f"{loops.covered} of {len(body)} tokens ({loops.covered / len(body):.0%} > "
+                f"{spec.max_loop_coverage:.0%}) lie in prose {NGRAM}-grams that occur {spec.min_loop_copies} or more "
+                f"times (the most repeated {loops.copies} times, first at token {loops.first}); ends with "
+                f"{c.text[-80:]!r}",
+            )
     return None
 
 
-def check_completion(c: Completion, spec: ValidationSpec, enable_thinking: bool) -> Verdict:
+def check_completion(
+    c: Completion, spec: ValidationSpec, enable_thinking: bool, words: np.ndarray | None = None
+) -> Verdict:
     """Run every stateless per-sample check; the first failing one names the reject reason.
+
+    `words` (datagen.repetition.word_tokens) tells repeated structure from loops; without it every repeated
+    block counts as a loop and interleaved prose loops are looked for only by the 8-gram share.
 
     Thinking outputs are judged on reasoning and answer together: tiny reasoning with a tiny answer is a
     placeholder, a short answer after real reasoning is kept; loops are looked for before truncation, so a
@@ -217,7 +245,7 @@ def check_completion(c: Completion, spec: ValidationSpec, enable_thinking: bool)
         return Verdict("unknown_finish_reason", f"finish_reason={c.finish_reason!r}")
     truncated = c.finish_reason == "length"
     body = completion_body(c)
-    loop = _loop_verdict(c, body, spec)
+    loop = _loop_verdict(c, body, spec, words)
     if loop is not None:
         return loop
     if truncated and spec.reject_truncated:
@@ -237,7 +265,7 @@ def check_completion(c: Completion, spec: ValidationSpec, enable_thinking: bool)
         if n_end == 0:
             if truncated:
                 # Kept truncated samples (reject_truncated off) may stop inside the thinking: no answer to judge.
-                return _after_structure(c, body, spec, answer_tokens=0)
+                return _after_structure(c, body, spec, 0, words)
             if _content_tokens(body) < spec.min_reasoning_tokens + tiny:
                 return Verdict("placeholder", f"{len(body)} tokens and no </think>: {c.text.strip()[:80]!r}")
             return Verdict("unclosed_thinking", f"no </think> ({THINK_END_ID}) in {len(body)} tokens")
@@ -269,11 +297,15 @@ def check_completion(c: Completion, spec: ValidationSpec, enable_thinking: bool)
                 f"answer has {answer_tokens} tokens (< {tiny}) and no reasoning: {answer_text.strip()[:80]!r}",
                 answer_tokens,
             )
-    return _after_structure(c, body, spec, answer_tokens)
+    return _after_structure(c, body, spec, answer_tokens, words)
 
 
-def _after_structure(c: Completion, body: list[int], spec: ValidationSpec, answer_tokens: int) -> Verdict:
-    share = repeated_ngram_share(body)
+def _after_structure(
+    c: Completion, body: list[int], spec: ValidationSpec, answer_tokens: int, words: np.ndarray | None
+) -> Verdict:
+    # With the vocabulary's word tokens the prose-loop rule (_loop_verdict) replaces this one: a share of all
+    # repeated 8-grams cannot tell a 12x12 zero matrix (91% repeats) from a loop.
+    share = repeated_ngram_share(body) if words is None else 0.0
     if share > spec.max_repeated_ngram_share:
         return Verdict(
             "repetition",
@@ -557,6 +589,7 @@ def check_quality_gate(
     downstream_rejects: int = 0,
     upstream_reasons: dict[str, int] | None = None,
     reject_paths: list[str] | None = None,
+    downstream_reasons: dict[str, int] | None = None,
 ) -> GateReport:
     """Check the dataset against the gate.
 
@@ -564,7 +597,8 @@ def check_quality_gate(
     rejects, and tokenization rejects (`downstream_rejects`, when the gate is re-run before publish).
     Length and mix checks look at the accepted samples. Samples without a category label count in the
     denominator of category shares but are not a category themselves. `upstream_reasons` ('stage/reason'
-    -> count, summing to `upstream_rejects`) and `reject_paths` name the rejects in the report.
+    -> count, summing to `upstream_rejects`), `downstream_reasons` (the same for `downstream_rejects`) and
+    `reject_paths` name the rejects in the report.
     """
     accepted = summary.accepted - downstream_rejects
     attempted = summary.total + upstream_rejects
@@ -601,8 +635,10 @@ def check_quality_gate(
         reasons.update(named)
         if upstream_rejects > sum(named.values()):
             reasons["load+generate (reasons not given)"] = upstream_rejects - sum(named.values())
-        if downstream_rejects:
-            reasons["tokenize"] = downstream_rejects
+        named_after = downstream_reasons or {}
+        reasons.update(named_after)
+        if downstream_rejects > sum(named_after.values()):
+            reasons["tokenize (reasons not given)"] = downstream_rejects - sum(named_after.values())
         evidence.append(_reasons_line("rejects by reason", reasons, attempted))
         if reject_paths:
             evidence.append("  reject rows (file, line and detail of each): " + ", ".join(reject_paths))

@@ -124,9 +124,18 @@ def _messages_in(items: list[Any]) -> list[Message]:
     return [m if isinstance(m, Message) else Message.from_dict(m) for m in items]
 
 
+# Fields added after checkpoints and prompt files existed: written only when set, so a line without them reads
+# (and hashes, e.g. a plan's sha256) byte for byte as before they existed.
+_OMITTED_WHEN_UNSET = frozenset({"normalized", "tools", "tool_calls"})
+
+
 def _record_json(record: Any, skip: frozenset[str] = frozenset()) -> str:
     """A record with messages as one JSON line: messages in their dict form, fields in declaration order."""
-    body = {f.name: getattr(record, f.name) for f in fields(record) if f.name not in skip}
+    body = {
+        f.name: getattr(record, f.name)
+        for f in fields(record)
+        if f.name not in skip and not (f.name in _OMITTED_WHEN_UNSET and getattr(record, f.name) is None)
+    }
     body["messages"] = [m.to_dict() for m in body["messages"]]
     return json.dumps(body, ensure_ascii=False)
 
@@ -143,6 +152,9 @@ class Prompt:
     # Where the row is, to find it by hand: "file:line" (1-based, blank lines counted) for JSON lines and
     # JSON lists, "file:row N" for parquet, "dataset[split]:row N" for `datasets` rows (N 0-based).
     location: str | None = None
+    # The Unicode normalization applied at load so the messages are what the tokenizer makes of them ("NFC");
+    # None when the text was already so. Carried to the completion and the training row.
+    normalized: str | None = None
     # The rendered prompt's token ids when the loader rendered it (for its id): held in memory only, never in
     # the JSON line; planning writes them beside the shard (datagen.preparation) so generation need not render.
     input_ids: array[int] | None = field(default=None, repr=False, compare=False)
@@ -214,6 +226,7 @@ class Completion:
     category: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     location: str | None = None  # the input row (see Prompt.location)
+    normalized: str | None = None  # see Prompt.normalized
 
     def __post_init__(self) -> None:
         self.messages = _messages_in(self.messages)
@@ -256,6 +269,7 @@ class TokenRow:
     request_key: str
     category: str | None = None
     num_turns: int = 1
+    normalized: str | None = None  # see Prompt.normalized: the prompt text was normalized at load ("NFC")
 
 
 TOKEN_ROW_SCHEMA = pa.schema(
@@ -270,5 +284,6 @@ TOKEN_ROW_SCHEMA = pa.schema(
         pa.field("finish_reason", pa.string(), nullable=False),
         pa.field("request_key", pa.string(), nullable=False),
         pa.field("num_turns", pa.int16(), nullable=False),
+        pa.field("normalized", pa.string()),
     ]
 )

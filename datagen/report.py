@@ -577,10 +577,14 @@ def nothing_to_do_report(
     n_load_rejects: int,
     skip_published: bool,
     selection: Mapping[str, Any] | None = None,
+    n_rows_in_sources: int | None = None,
 ) -> tuple[str, str]:
     """(markdown, one-line state message) for a run that planned no prompts and so publishes nothing."""
     why: list[str] = []
-    if skip_published and n_skipped_ids:
+    if n_rows_in_sources == 0:
+        # Said first: with earlier runs in the catalog, "every prompt is already published" would hide it.
+        why.append("the sources are empty: 0 rows read from " + ", ".join(f"`{s}`" for s in sources) + ".")
+    elif skip_published and n_skipped_ids:
         shown = ", ".join(f"`{n}`" for n in published_namespaces[:8])
         more = f" and {len(published_namespaces) - 8} more" if len(published_namespaces) > 8 else ""
         why.append(
@@ -611,6 +615,7 @@ def nothing_to_do_report(
                 ["what", "value"],
                 [
                     ("sources", ", ".join(f"`{s}`" for s in sources)),
+                    ("rows in the sources", "—" if n_rows_in_sources is None else f"{n_rows_in_sources:,}"),
                     ("prompt ids already published (catalog)", f"{n_skipped_ids:,}"),
                     ("namespaces that published them", len(published_namespaces)),
                     ("rows rejected while loading", n_load_rejects),

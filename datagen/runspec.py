@@ -17,6 +17,43 @@ __all__ = ["AUTO_NAMESPACE", "PromptSource", "QualityGate", "RunSpec", "Sampling
 
 AUTO_NAMESPACE = "auto"  # RunSpec.namespace value: the flow picks the next free `expansion_vN`
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# Reasons of the rejects the prompt catalog lists (stages generate, validate, tokenize; load rejects have no
+# prompt id and are always read again). Kept in step with tasks.generation, datagen.quality.VALIDATION_REASONS
+# and tasks.tokenization.TOKENIZE_REASONS (tests/e2e/test_expansion.py checks).
+RETRYABLE_REASONS = frozenset(
+    {
+        # generate
+        "template_error",
+        "prompt_too_long",
+        "server_rejected",
+        "protocol_error",
+        # validate
+        "malformed_record",
+        "empty_completion",
+        "token_count_mismatch",
+        "aborted",
+        "unknown_finish_reason",
+        "truncated",
+        "invalid_utf8",
+        "placeholder",
+        "repeated_tail",
+        "repeated_block",
+        "unclosed_thinking",
+        "malformed_thinking",
+        "text_mismatch",
+        "empty_thinking",
+        "empty_answer",
+        "repetition",
+        "duplicate_request",
+        "duplicate_completion",
+        # tokenize
+        "prompt_token_mismatch",
+        "prompt_decode_mismatch",
+        "completion_decode_mismatch",
+        "rerender_unsupported",
+        "rerender_prefix_mismatch",
+    }
+)
 _BOX_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 # A run directory's name under work_dir/runs/ (namespaces, pilots): one path component, never '.' or '..'.
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -98,13 +135,41 @@ class ValidationSpec(BaseModel):
         64, ge=1, description="Back-to-back copies of a block count as a loop only when they span this many tokens."
     )
     max_loop_share: float = Field(
-        0.2,
+        0.1,
         gt=0.0,
         le=1.0,
         description=(
-            "Reject when back-to-back copies of one block (any block size) span more than this share of the "
-            "completion; a completion that ends in 3 or more copies is rejected at any share."
+            "Reject when 3 or more back-to-back copies of one block (any block size) span more than this share of "
+            "the completion; a completion that ends in 3 or more copies is rejected at any share. A block of "
+            "structure (see structural_word_share) in a finished completion is exempt."
         ),
+    )
+    structural_word_share: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "A repeated block whose share of word tokens is below this (matrix rows, table rows, code, separators) "
+            "is the answer's structure, not a loop, when the completion finished and it repeats at most "
+            "max_structural_copies times."
+        ),
+    )
+    max_structural_copies: int = Field(
+        128, ge=1, description="More back-to-back copies than this of a block of structure count as a loop."
+    )
+    min_loop_copies: int = Field(
+        5,
+        ge=2,
+        description=(
+            "A prose 8-gram (5 or more of its 8 tokens are words) that occurs this many times, back to back or not, "
+            "is part of a loop (a chorus sung up to min_loop_copies - 1 times is not)."
+        ),
+    )
+    max_loop_coverage: float = Field(
+        0.1,
+        gt=0.0,
+        le=1.0,
+        description="Reject when the tokens inside looping prose 8-grams (see min_loop_copies) exceed this share.",
     )
     reject_truncated: bool = Field(True, description="Reject completions cut at max_new_tokens.")
     max_repeated_ngram_share: float = Field(
@@ -162,7 +227,16 @@ class RunSpec(BaseModel):
         True,
         description=(
             "Skip every prompt id already published in an earlier namespace (the prompt catalog in S3), "
-            "so a run generates only new prompts."
+            "so a run generates only new prompts. A prompt that an earlier run rejected after loading "
+            "(generate, validate or tokenize stage) counts as published unless its reason is in retry_rejected."
+        ),
+    )
+    retry_rejected: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Reject reasons (e.g. truncated, server_rejected) whose prompts this run generates again although an "
+            "earlier namespace published them as rejects: for causes that were a setting (a max_new_tokens that "
+            "truncated them), not the prompt. Default: none, every rejected prompt stays skipped for good."
         ),
     )
     source_targets: list[Target] = Field(
@@ -244,6 +318,17 @@ class RunSpec(BaseModel):
         if ":" in v:
             raise ValueError("served_model_name must not contain ':' (SGLang reads it as base:lora-adapter)")
         return v
+
+    @field_validator("retry_rejected")
+    @classmethod
+    def _retry_reasons(cls, v: list[str]) -> list[str]:
+        bad = [r for r in v if r not in RETRYABLE_REASONS]
+        if bad:
+            raise ValueError(
+                f"retry_rejected: {', '.join(map(repr, bad))} not a reason a published reject can carry "
+                f"(one of: {', '.join(sorted(RETRYABLE_REASONS))})"
+            )
+        return sorted(set(v))
 
     @field_validator("source_targets", "category_targets", mode="before")
     @classmethod

@@ -142,11 +142,18 @@ def _quality_gate(
     gate: QualityGate,
     upstream_reasons: dict[str, int],
     reject_paths: list[str],
-    downstream_rejects: int = 0,
+    downstream_reasons: dict[str, int] | None = None,
     namespace: str = "",
 ) -> validation.GateReport:
+    downstream = downstream_reasons or {}
     report = validation.check_quality_gate(
-        summary, gate, sum(upstream_reasons.values()), downstream_rejects, upstream_reasons, reject_paths
+        summary,
+        gate,
+        sum(upstream_reasons.values()),
+        sum(downstream.values()),
+        upstream_reasons,
+        reject_paths,
+        downstream,
     )
     create_markdown_artifact(
         markdown=validation.render_validation_report(summary, report),
@@ -243,7 +250,8 @@ def finish_dataset(
         spec.quality_gate,
         upstream_reasons,
         published_rejects,
-        tokenized.tokenize_rejected,
+        # Every tokenize reject by its reason: "tokenize=3" said nothing a person could act on.
+        {k: v for k, v in tokenized.rejects_by_reason.items() if k.startswith("tokenize/")},
         namespace=spec.namespace,
     )
     pinned = pin_facts(layout.pinned_facts, run_id)
@@ -373,7 +381,11 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
     # Repaired first: a namespace whose run was killed between manifest and part would be generated again.
     for repaired in catalog.repair(store) if spec.skip_published else []:
         logger.warning("catalog: namespace %s was published without its catalog part; backfilled it", repaired)
-    skip = catalog.published_prompt_ids(store, exclude={spec.namespace}) if spec.skip_published else set()
+    skip = (
+        catalog.published_prompt_ids(store, exclude={spec.namespace}, retry=spec.retry_rejected)
+        if spec.skip_published
+        else set()
+    )
     projection = pilot.load_projection(settings.work_dir, spec.pilot) if spec.pilot else None
     select, selection = ordering.run_filter(
         spec, skip, layout.root / "sort-spill", projection.length_model if projection else None
@@ -404,6 +416,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
             plan.n_load_rejects,
             spec.skip_published,
             selection.model_dump() if selection is not None else None,
+            plan.n_rows_in_sources,
         )
         create_markdown_artifact(
             markdown=markdown, key="run-report", description=f"Run report of {spec.namespace}: nothing to do"

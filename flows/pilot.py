@@ -21,6 +21,7 @@ from datagen import alerts, paths, report
 from datagen.catalog import published_prompt_ids, repair
 from datagen.chat import ChatTokenizer
 from datagen.layout import RunLayout
+from datagen.repetition import word_tokens
 from datagen.runspec import AUTO_NAMESPACE, RunSpec
 from datagen.settings import Settings
 from datagen.storage import ObjectStore
@@ -55,7 +56,7 @@ def pilot_flow(spec: RunSpec = RunSpec(), pilot_spec: pilot.PilotSpec = pilot.Pi
     exclude = set() if spec.namespace == AUTO_NAMESPACE else {spec.namespace}
     if spec.skip_published:
         repair(store)  # a namespace published without its catalog part still counts as published
-    skip = published_prompt_ids(store, exclude=exclude) if spec.skip_published else set()
+    skip = published_prompt_ids(store, exclude=exclude, retry=spec.retry_rejected) if spec.skip_published else set()
     plan, population = plan_pilot_task(spec, pilot_spec, layout, skip)
     logger.info("pilot sample: %d prompts in %d shards", plan.n_prompts, len(plan.shard_ids))
     if plan.n_prompts == 0:
@@ -82,6 +83,7 @@ def pilot_flow(spec: RunSpec = RunSpec(), pilot_spec: pilot.PilotSpec = pilot.Pi
         layout.validated_dir,
         spec.validation,
         spec.sampling.enable_thinking,
+        word_tokens(chat),  # judged like the main run: structure is not a loop
     )
     servers = pilot_spec.project_servers or settings.num_servers
     projection = project_task(layout, plan, population, summary, throughput, servers, pilot_spec)

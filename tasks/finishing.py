@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict
 from datagen.chat import ChatTokenizer
 from datagen.layout import RunLayout
 from datagen.quality import ValidationSummary
+from datagen.repetition import word_tokens
 from datagen.runspec import RunSpec
 from tasks.generation import ShardResult
 from tasks.tokenization import StreamingTokenizer, TokenizationSummary
@@ -56,7 +57,9 @@ class StreamingFinish:
         self._waiting: dict[int, ShardResult] = {}
         self._handed_out = 0
         self.finished: list[ShardResult] = []
-        self.validator = ShardValidator(layout.validated_dir, spec.validation, spec.sampling.enable_thinking)
+        self.validator = ShardValidator(
+            layout.validated_dir, spec.validation, spec.sampling.enable_thinking, word_tokens(chat)
+        )
         self.tokenizer = StreamingTokenizer(layout.staging_dir, chat, spec.sampling.enable_thinking)
         self.tokenizer.add_rejects(layout.load_rejects)
         self._validation: ValidationSummary | None = None

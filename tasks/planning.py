@@ -65,6 +65,11 @@ class ShardPlan(BaseModel):
     n_uncategorized: int = Field(..., description="Prompts without a category.")
     load_rejects_sha256: str
     plan_sha256: str = Field(..., description="sha256 over everything above: equal plans, equal files.")
+    n_rows_in_sources: int | None = Field(
+        None,
+        description="Rows the sources hold, before selection (skipped published prompts included); not in "
+        "plan_sha256. 0: the sources are empty. None: a plan written before this was counted.",
+    )
 
 
 def plan_manifest_path(layout: RunLayout) -> Path:
@@ -87,7 +92,8 @@ def plan_shards(
     # Prompt ids follow the rendered token ids under the model's template (see PromptIdentity); the ids it
     # renders are written beside each shard for generation (render once: datagen.preparation).
     identity = PromptIdentity.for_spec(spec)
-    items = iter_prompts(spec.sources, base_dir, identity)
+    read = _Counted(iter_prompts(spec.sources, base_dir, identity))
+    items: Iterator[Prompt | Reject] = read
     if select is not None:
         items = select(items)
     layout.shards_dir.mkdir(parents=True, exist_ok=True)
@@ -161,7 +167,7 @@ def plan_shards(
         "load_rejects_sha256": rejects_sha,
     }
     plan_sha = hashlib.sha256(json.dumps(body, sort_keys=True).encode("utf-8")).hexdigest()
-    plan = ShardPlan.model_validate({**body, "plan_sha256": plan_sha})
+    plan = ShardPlan.model_validate({**body, "plan_sha256": plan_sha, "n_rows_in_sources": read.n})
 
     manifest_out = _HashingWriter(manifest)
     try:
@@ -200,6 +206,22 @@ def read_plan(layout: RunLayout, verify: bool = True) -> ShardPlan | None:
         if not path.is_file() or sha256_file(path) != sha:
             return None
     return plan
+
+
+class _Counted:
+    """Passes a stream through, counting its items (rows read before any selection)."""
+
+    def __init__(self, items: Iterator[Prompt | Reject]) -> None:
+        self._items = items
+        self.n = 0
+
+    def __iter__(self) -> Iterator[Prompt | Reject]:
+        return self
+
+    def __next__(self) -> Prompt | Reject:
+        item = next(self._items)
+        self.n += 1
+        return item
 
 
 class _Invalidator:

@@ -86,6 +86,7 @@ def _row(c: Completion, input_ids: list[int], loss_mask: list[int], prompt_token
         request_key=c.request_key,
         category=c.category,
         num_turns=_num_turns(c.messages),
+        normalized=c.normalized,
     )
 
 
@@ -266,6 +267,7 @@ def _token_batch(rows: list[TokenRow]) -> pa.RecordBatch:
         pa.array([r.finish_reason for r in rows], pa.string()),
         pa.array([r.request_key for r in rows], pa.string()),
         pa.array([r.num_turns for r in rows], pa.int16()),
+        pa.array([r.normalized for r in rows], pa.string()),
     ]
     return pa.RecordBatch.from_arrays(arrays, schema=TOKEN_ROW_SCHEMA)
 

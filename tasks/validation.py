@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
+
 from datagen.checkpoint import CheckpointLine, read_lines
 from datagen.quality import (
     DuplicateIndex,
@@ -194,9 +196,12 @@ class ShardValidator:
     plan order is generated, so "first copy kept" stays the same as a single pass over all shards.
     """
 
-    def __init__(self, out_dir: Path, spec: ValidationSpec, enable_thinking: bool) -> None:
+    def __init__(
+        self, out_dir: Path, spec: ValidationSpec, enable_thinking: bool, words: np.ndarray | None = None
+    ) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         self.out_dir = out_dir
+        self.words = words  # word tokens of the vocabulary (datagen.repetition.word_tokens): structure vs loops
         self.spec = spec
         self.enable_thinking = enable_thinking
         self._builder = SummaryBuilder()
@@ -226,7 +231,7 @@ class ShardValidator:
                     builder.reject(r)
                     rej.write(r.to_json() + "\n")
                     continue
-                verdict = check_completion(item, spec, self.enable_thinking)
+                verdict = check_completion(item, spec, self.enable_thinking, self.words)
                 if verdict.accepted:
                     dup = duplicates.check_and_add(item, spec.reject_duplicate_completions)
                     if not dup.accepted:
@@ -250,7 +255,11 @@ class ShardValidator:
 
 
 def validate_shards(
-    completion_paths: list[Path], out_dir: Path, spec: ValidationSpec, enable_thinking: bool
+    completion_paths: list[Path],
+    out_dir: Path,
+    spec: ValidationSpec,
+    enable_thinking: bool,
+    words: np.ndarray | None = None,
 ) -> ValidationSummary:
     """Check every completion; write `<shard>.accepted.jsonl` and `<shard>.rejects.jsonl` per shard into `out_dir`.
 
@@ -260,7 +269,7 @@ def validate_shards(
     stems = [shard_stem(Path(p)) for p in completion_paths]
     if len(set(stems)) != len(stems):
         raise ValueError(f"two input shards map to the same output name: {stems}")
-    validator = ShardValidator(out_dir, spec, enable_thinking)
+    validator = ShardValidator(out_dir, spec, enable_thinking, words)
     for path in completion_paths:
         validator.add(Path(path))
     return validator.close()

@@ -114,9 +114,9 @@ def test_catalog_backfills_a_namespace_published_without_its_part(s3_store: Obje
     assert catalog.next_expansion_namespace(s3_store) == "expansion_v2"
     part = pq.read_table(io.BytesIO(s3_store.get_bytes(catalog.part_key("expansion_v1")))).to_pylist()
     assert part == [
-        {"prompt_id": "a1", "source": "chat", "category": "x", "status": "data"},
-        {"prompt_id": "b2", "source": "code", "category": None, "status": "data"},
-        {"prompt_id": "c3", "source": "chat", "category": None, "status": "rejected"},
+        {"prompt_id": "a1", "source": "chat", "category": "x", "status": "data", "reason": None},
+        {"prompt_id": "b2", "source": "code", "category": None, "status": "data", "reason": None},
+        {"prompt_id": "c3", "source": "chat", "category": None, "status": "rejected", "reason": None},
     ]
     assert catalog.published_prompt_ids(s3_store) == {"a1", "b2", "c3"}
     assert catalog.published_prompt_ids(s3_store, exclude={"expansion_v1"}) == set()
@@ -127,3 +127,53 @@ def test_catalog_backfills_a_namespace_published_without_its_part(s3_store: Obje
     with pytest.raises(catalog.CatalogError, match="not replaced"):
         catalog.write_part(s3_store, "expansion_v1", staging)
     assert _snapshot(s3_store, "expansion_v1/") == before
+
+
+def _publish_rows(store: ObjectStore, tmp_path: Path, namespace: str, data: list[str], rejects: dict[str, str]) -> None:
+    staging = tmp_path / namespace
+    (staging / "data").mkdir(parents=True)
+    (staging / "rejects").mkdir()
+    pq.write_table(
+        pa.table({"prompt_id": data, "source": ["chat"] * len(data)}), staging / "data" / "train-00000-of-00001.parquet"
+    )
+    pq.write_table(
+        pa.table(
+            {
+                "prompt_id": list(rejects),
+                "source": ["chat"] * len(rejects),
+                "stage": ["validate"] * len(rejects),
+                "reason": list(rejects.values()),
+            }
+        ),
+        staging / "rejects" / "rejects-00000-of-00001.parquet",
+    )
+    publish(staging, namespace, store, {})
+    catalog.write_part(store, namespace, staging)
+
+
+def test_an_expansion_retries_the_reject_reasons_it_names(s3_store: ObjectStore, tmp_path: Path) -> None:
+    # Issue 23.5: every rejected prompt counted as published, so no later expansion ever retried it.
+    _publish_rows(
+        s3_store, tmp_path, "expansion_v1", ["a1"], {"t1": "truncated", "t2": "truncated", "p1": "placeholder"}
+    )
+    _publish_rows(s3_store, tmp_path, "expansion_v2", ["t2"], {"t3": "truncated"})  # t2 retried once and published
+    assert catalog.published_prompt_ids(s3_store) == {"a1", "t1", "t2", "p1", "t3"}  # the default: none retried
+    assert catalog.published_prompt_ids(s3_store, retry=["truncated"]) == {"a1", "t2", "p1"}
+    assert catalog.published_prompt_ids(s3_store, retry=["truncated", "placeholder"]) == {"a1", "t2"}
+    assert catalog.published_prompt_ids(s3_store, exclude={"expansion_v2"}, retry=["truncated"]) == {"a1", "p1"}
+
+
+def test_retry_rejected_names_only_reasons_a_published_reject_can_carry() -> None:
+    from datagen.quality import VALIDATION_REASONS
+    from datagen.runspec import RETRYABLE_REASONS
+    from tasks.tokenization import TOKENIZE_REASONS
+
+    assert set(VALIDATION_REASONS) | set(TOKENIZE_REASONS) <= RETRYABLE_REASONS
+    assert RunSpec(retry_rejected=["truncated", "truncated", "placeholder"]).retry_rejected == [
+        "placeholder",
+        "truncated",
+    ]
+    assert RunSpec().retry_rejected == []
+    with pytest.raises(ValueError, match="'invalid_json' not a reason a published reject can carry"):
+        RunSpec(retry_rejected=["invalid_json"])
+    assert "Default: none" in (RunSpec.model_fields["retry_rejected"].description or "")

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
@@ -14,8 +15,10 @@ from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
 
 from datagen.cli import summary_text
+from datagen.endpoints import ServerEndpoint
 from datagen.model_fixture import ensure_model_dir
 from datagen.runspec import PromptSource, QualityGate, RunSpec, SamplingSpec
+from datagen.standin.testing import run_standin
 from flows.expand_dataset import expand_dataset
 
 pytestmark = pytest.mark.slow
@@ -109,3 +112,47 @@ def test_cli_summary_is_never_a_bare_none() -> None:
     ok = summary_text({"uri": "s3://b/ns/", "namespace": "ns", "rows": 3, "rejects": 1, "prompts": 4, "dry_run": False})
     assert ok.startswith("Published 3 rows (1 rejects) from 4 prompts in namespace ns")
     assert ok.endswith("\ns3://b/ns/") and "None" not in ok
+
+
+def _generate_requests(endpoint: ServerEndpoint) -> int:
+    """The stand-in's own count of requests it processed (its /metrics, as SGLang reports it)."""
+    text = httpx.get(f"{endpoint.url}/metrics", timeout=10).text
+    return sum(
+        int(float(line.split()[-1])) for line in text.splitlines() if line.startswith("sglang:num_requests_total{")
+    )
+
+
+def test_rows_that_fail_a_pre_generation_check_cost_no_generate_request(
+    prefect_api: None, pipeline_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Issue 23.2: every check that can run before generation runs there. A lone surrogate (used to crash
+    # planning), a row over the token limit though under the length-only shortcut (counted in chunks), a tool
+    # turn: none reaches the server. The stand-in is attached by URL so its own counter says what it received.
+    rows = [
+        '{"instruction": "broken \\ud800 text"}',
+        json.dumps({"instruction": "word " * 40_000}),  # ~40K tokens > 7168, 200 KB < 7168 x 128 bytes
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]}),
+    ]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("\n".join([*rows, json.dumps({"instruction": "Describe a lighthouse at night."})]) + "\n")
+    with run_standin(ensure_model_dir(), args=["--enable-metrics"]) as endpoint:
+        assert endpoint.api_key is not None
+        before = _generate_requests(endpoint)  # its own warm-up request, if any
+        monkeypatch.setenv("DATAGEN_SERVER_URLS", json.dumps([endpoint.url]))
+        monkeypatch.setenv("DATAGEN_SGLANG_API_KEY", endpoint.api_key.get_secret_value())
+        state = expand_dataset(_spec(bad, "prefail"), return_state=True)
+        assert state.is_failed()
+        with pytest.raises(Exception, match=r"(?s)all 3 rows read were rejected"):
+            state.result()
+        assert _generate_requests(endpoint) == before
+        rejects_file = Path(pipeline_env["DATAGEN_WORK_DIR"]) / "runs" / "prefail" / "load-rejects.jsonl"
+        load_rejects = [json.loads(line) for line in rejects_file.read_text().splitlines()]
+        assert [r["reason"] for r in load_rejects] == ["invalid_unicode", "prompt_too_long", "unsupported_role"]
+        # The same rows beside one good prompt: the run goes on, and the server gets exactly that one.
+        done = expand_dataset(
+            _spec(mixed, "premixed", QualityGate(max_reject_rate=0.8, min_median_completion_tokens=1))
+        )
+        assert done["prompts"] == 1
+        assert _generate_requests(endpoint) == before + 1

@@ -169,6 +169,16 @@ def test_nothing_to_do_names_the_reason_and_the_cli_prints_it() -> None:
     assert "datagen inspect n" in summary_text(published)
 
 
+def test_an_empty_source_is_called_empty_even_when_earlier_runs_exist() -> None:
+    # Issue 23.6: with earlier namespaces in the catalog this said "every prompt is already published".
+    markdown, message = report.nothing_to_do_report(
+        "expansion_v4", ["data/empty.jsonl"], 294, ["expansion_v1"], 0, True, None, n_rows_in_sources=0
+    )
+    assert "the sources are empty: 0 rows read from data/empty.jsonl" in message
+    assert "already published" not in message
+    assert "| rows in the sources | 0 |" in markdown
+
+
 def test_dataset_link_opens_in_a_console() -> None:
     class Store:
         bucket = "datasets"

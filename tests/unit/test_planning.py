@@ -302,3 +302,19 @@ def test_planning_writes_each_shard_s_render_and_a_stale_one_is_not_used(tmp_pat
     path = layout.shard_prompts(1)
     path.write_text(path.read_text().replace("question 3", "question three"))  # edited after planning
     assert read_rendered(path, key) is None
+
+
+def test_plan_counts_rows_in_the_sources_before_selection(tmp_path: Path) -> None:
+    # Issue 23.6: an empty source and a source whose every prompt is skipped both planned 0 rows; only the
+    # count before selection tells them apart (the report then says "the sources are empty").
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    plan = plan_shards(spec_for(empty), RunLayout(tmp_path / "run-empty"))
+    assert (plan.n_rows, plan.n_rows_in_sources) == (0, 0)
+    full = write_rows(tmp_path / "full.jsonl", 5)
+    skip_all = plan_shards(
+        spec_for(full), RunLayout(tmp_path / "run-skip"), select=lambda items: (i for i in items if False)
+    )
+    assert (skip_all.n_rows, skip_all.n_rows_in_sources) == (0, 5)
+    again = read_plan(RunLayout(tmp_path / "run-skip"))
+    assert again is not None and again.n_rows_in_sources == 5

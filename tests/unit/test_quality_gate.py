@@ -136,7 +136,20 @@ def test_reject_rate_counts_upstream_and_downstream_rejects() -> None:
     report = check_quality_gate(s, GATE, upstream_rejects=25, downstream_rejects=1)
     assert [c.name for c in report.failures] == ["reject_rate"]
     assert "26/125 rejected" in report.text
-    assert "load+generate (reasons not given)=25 (20.0%), tokenize=1 (0.8%)" in report.text
+    assert "load+generate (reasons not given)=25 (20.0%), tokenize (reasons not given)=1 (0.8%)" in report.text
+
+
+def test_gate_names_every_reject_reason_with_its_count() -> None:
+    # Issue 23.6: tokenize rejects were summed as "tokenize=3", whatever their reasons.
+    s = summary_of({800: 10}, {"a": 10})
+    upstream = {"load/invalid_json": 2, "generate/server_rejected": 1}
+    downstream = {"tokenize/prompt_decode_mismatch": 2, "tokenize/completion_decode_mismatch": 1}
+    report = check_quality_gate(s, GATE, 3, 3, upstream, ["r.jsonl"], downstream)
+    assert not report.passed
+    line = next(e for e in report.evidence if "rejects by reason" in e)
+    for reason, count in {**upstream, **downstream}.items():
+        assert f"{reason}={count} (" in line
+    assert "tokenize=" not in line and "reasons not given" not in line
 
 
 def test_reject_rate_evidence_names_upstream_reasons_and_reject_files() -> None:
