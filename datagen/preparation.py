@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from datagen.chat import ChatTokenizer, TemplateError
+from datagen.chat import ChatTokenizer, TemplateError, Tools
 from datagen.records import Message
 from datagen.storage import sha256_file
 
@@ -55,8 +55,8 @@ class Preparer:
         """What the ids depend on besides the messages: the model (tokenizer, template) and thinking."""
         return f"{self.chat.fingerprint}:thinking={self.enable_thinking}"
 
-    def __call__(self, messages: list[Message]) -> list[int]:
-        """The prompt's token ids (generation prompt included); raises Unsendable."""
+    def __call__(self, messages: list[Message], tools: Tools = None) -> list[int]:
+        """The prompt's token ids (generation prompt included, `tools` rendered when given); raises Unsendable."""
         chars = self.chat.surely_over(messages, self.token_limit)
         if chars is not None:  # told by its length alone: a huge row is never tokenized
             raise Unsendable(
@@ -65,7 +65,7 @@ class Preparer:
                 f"most {self.chat.max_token_bytes} bytes); rejected without tokenizing",
             )
         try:
-            ids = self.chat.prompt_ids(messages, self.enable_thinking)
+            ids = self.chat.prompt_ids(messages, self.enable_thinking, tools)
         except TemplateError as exc:
             raise Unsendable("template_error", f"the chat template refused it: {exc}") from exc
         return self.fitting(ids)

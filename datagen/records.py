@@ -124,10 +124,21 @@ def _messages_in(items: list[Any]) -> list[Message]:
     return [m if isinstance(m, Message) else Message.from_dict(m) for m in items]
 
 
+# Fields added with tool calling: written only when set, so lines of rows without tools stay byte for byte
+# what they were (prompt files are hashed into plan keys, checkpoints into their readers' expectations).
+_OPTIONAL_FIELDS = frozenset({"tools", "tool_calls"})
+
+
 def _record_json(record: Any, skip: frozenset[str] = frozenset()) -> str:
     """A record with messages as one JSON line: messages in their dict form, fields in declaration order."""
-    body = {f.name: getattr(record, f.name) for f in fields(record) if f.name not in skip}
+    body = {
+        f.name: getattr(record, f.name)
+        for f in fields(record)
+        if f.name not in skip and not (f.name in _OPTIONAL_FIELDS and getattr(record, f.name) is None)
+    }
     body["messages"] = [m.to_dict() for m in body["messages"]]
+    if body.get("tool_calls") is not None:
+        body["tool_calls"] = [c.to_dict() for c in body["tool_calls"]]
     return json.dumps(body, ensure_ascii=False)
 
 
@@ -146,6 +157,9 @@ class Prompt:
     # The rendered prompt's token ids when the loader rendered it (for its id): held in memory only, never in
     # the JSON line; planning writes them beside the shard (datagen.preparation) so generation need not render.
     input_ids: array[int] | None = field(default=None, repr=False, compare=False)
+    # The functions the conversation may call (OpenAI function schemas, as the row or its source gives them):
+    # passed to the chat template as `tools=` wherever the prompt is rendered. None: the row declares none.
+    tools: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         self.messages = _messages_in(self.messages)
@@ -214,9 +228,14 @@ class Completion:
     category: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     location: str | None = None  # the input row (see Prompt.location)
+    tools: list[dict[str, Any]] | None = None  # the prompt's tools (see Prompt.tools): its render needs them
+    # The calls the model made in its answer (datagen.toolcalls parses them from `text`); None: it made none.
+    tool_calls: list[ToolCall] | None = None
 
     def __post_init__(self) -> None:
         self.messages = _messages_in(self.messages)
+        if self.tool_calls is not None:
+            self.tool_calls = [c if isinstance(c, ToolCall) else ToolCall.from_dict(c) for c in self.tool_calls]
 
     def to_json(self) -> str:
         return _record_json(self)
