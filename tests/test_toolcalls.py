@@ -14,7 +14,10 @@ TOOLS = [
         },
     }
 ]
-CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"
+CALL = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+    "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"
+)
 
 
 def test_a_call_in_the_models_format_parses_to_typed_arguments() -> None:
