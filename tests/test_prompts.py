@@ -548,7 +548,14 @@ def test_bundled_prompt_set_loads_cleanly_with_a_broad_mix() -> None:
     prompts = [i for i in items if isinstance(i, Prompt)]
     assert 250 <= len(prompts) <= 350
     sources = Counter(p.source for p in prompts)
-    assert set(sources) == {"alpaca_instructions", "mixed_topics", "openai_messages", "sharegpt_chat"}
+    assert set(sources) == {
+        "alpaca_instructions",
+        "mixed_topics",
+        "openai_messages",
+        "sharegpt_chat",
+        "tool_calls_openai",
+        "tool_calls_sharegpt",
+    }
     categories = Counter(p.category for p in prompts)
     assert None not in categories
     assert len(categories) >= 12
@@ -556,7 +563,11 @@ def test_bundled_prompt_set_loads_cleanly_with_a_broad_mix() -> None:
     assert max(categories.values()) / len(prompts) < 0.15
     assert sum(1 for p in prompts if p.messages[0].role == "system") >= 20
     assert sum(1 for p in prompts if any(m.role == "assistant" for m in p.messages)) >= 10
-    assert all(p.messages[-1].role == "user" for p in prompts)
+    assert all(p.messages[-1].role in ("user", "tool") for p in prompts)
+    # Tool-calling conversations in both forms: tools declared, calls made, results recorded.
+    assert sum(1 for p in prompts if p.tools) >= 20
+    assert sum(1 for p in prompts if any(m.tool_calls for m in p.messages)) >= 12
+    assert sum(1 for p in prompts if p.messages[-1].role == "tool") >= 6
 
 
 def test_bundled_parquet_matches_its_generator_script() -> None:
