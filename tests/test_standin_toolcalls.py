@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import pytest
 
 from datagen.chat import IM_END_ID, ChatTokenizer
 from datagen.model_fixture import ensure_model_dir
 from datagen.records import ToolCall
+from datagen.standin.knobs import KnobError, Knobs
 from datagen.standin.testing import run_standin
 from datagen.toolcalls import answer_text, parse_tool_calls
 
@@ -65,3 +67,11 @@ def test_rate_one_without_match_calls_an_undeclared_function(tmp_path: Path) -> 
 def test_a_prompt_without_tools_never_gets_a_call(tmp_path: Path) -> None:
     outputs = _outputs(tmp_path, {"DATAGEN_STANDIN_TOOL_CALL_RATE": "1"}, None)
     assert all("<tool_call>" not in text for text, _ in outputs)
+
+
+def test_tool_call_knobs_are_checked() -> None:
+    assert Knobs.from_env({}).tool_call_rate == 0.5 and Knobs.from_env({}).tool_call_match is True
+    assert Knobs.from_env({"DATAGEN_STANDIN_TOOL_CALL_MATCH": "0"}).tool_call_match is False
+    for bad in ({"DATAGEN_STANDIN_TOOL_CALL_MATCH": "maybe"}, {"DATAGEN_STANDIN_TOOL_CALL_RATE": "1.5"}):
+        with pytest.raises(KnobError, match="TOOL_CALL"):
+            Knobs.from_env(bad)
