@@ -22,7 +22,7 @@ from flows.expand_dataset import expand_dataset
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 OPENAI = REPO / "data/prompts/tool_calls_openai.jsonl"
 SHAREGPT = REPO / "data/prompts/tool_calls_sharegpt.jsonl"
 
