@@ -16,6 +16,8 @@ from datagen.records import Message
 # What the template renders: typed messages, or raw dicts passed to it as they are (the template is the judge
 # of what it accepts, e.g. in the conformance tests of its error messages).
 TemplateMessages = Sequence[Message | Mapping[str, Any]]
+# The functions a prompt declares (OpenAI function schemas), passed to the template as `tools=`; None: none.
+Tools = Sequence[Mapping[str, Any]] | None
 
 __all__ = [
     "ENDOFTEXT_ID",
@@ -26,6 +28,7 @@ __all__ = [
     "ChatTokenizer",
     "TemplateError",
     "TemplateMessages",
+    "Tools",
 ]
 
 ENDOFTEXT_ID = 248044
@@ -126,30 +129,35 @@ class ChatTokenizer:
         ]
         return _sha(*parts, self.chat_template.encode("utf-8"))
 
-    def render(self, messages: TemplateMessages, enable_thinking: bool = True) -> str:
+    def render(self, messages: TemplateMessages, enable_thinking: bool = True, tools: Tools = None) -> str:
         """The prompt text for generating the next assistant turn (generation prompt included)."""
-        return self._apply(messages, add_generation_prompt=True, enable_thinking=enable_thinking)
+        return self._apply(messages, add_generation_prompt=True, enable_thinking=enable_thinking, tools=tools)
 
-    def render_conversation(self, messages: TemplateMessages, enable_thinking: bool = True) -> str:
+    def render_conversation(self, messages: TemplateMessages, enable_thinking: bool = True, tools: Tools = None) -> str:
         """A whole conversation (ending with an assistant turn), without a generation prompt."""
-        return self._apply(messages, add_generation_prompt=False, enable_thinking=enable_thinking)
+        return self._apply(messages, add_generation_prompt=False, enable_thinking=enable_thinking, tools=tools)
 
-    def _apply(self, messages: TemplateMessages, *, add_generation_prompt: bool, enable_thinking: bool) -> str:
+    def _apply(
+        self, messages: TemplateMessages, *, add_generation_prompt: bool, enable_thinking: bool, tools: Tools
+    ) -> str:
+        # `tools=` only when the prompt declares some: a prompt without them renders exactly as it always did.
+        extra: dict[str, Any] = {"tools": list(tools)} if tools else {}
         try:
             text = self._hf.apply_chat_template(
                 [m.to_dict() if isinstance(m, Message) else dict(m) for m in messages],
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 enable_thinking=enable_thinking,
+                **extra,
             )
         except Exception as exc:  # jinja2 raise_exception surfaces as TemplateError/ValueError
             raise TemplateError(str(exc)) from exc
         assert isinstance(text, str)
         return text
 
-    def prompt_ids(self, messages: TemplateMessages, enable_thinking: bool = True) -> list[int]:
+    def prompt_ids(self, messages: TemplateMessages, enable_thinking: bool = True, tools: Tools = None) -> list[int]:
         """Token ids of the rendered prompt."""
-        return self.encode(self.render(messages, enable_thinking))
+        return self.encode(self.render(messages, enable_thinking, tools))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special tokens written in the text map to their ids, nothing is added."""

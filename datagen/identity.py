@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from datagen.chat import ChatTokenizer
+from datagen.chat import ChatTokenizer, Tools
 from datagen.preparation import Preparer
 from datagen.prompt_view import PromptView
 from datagen.records import Message
@@ -44,14 +44,24 @@ class IdentityError(RuntimeError):
     """A run's prompt ids cannot be computed (no tokenizer): the run stops rather than switch id scheme."""
 
 
-def prompt_id_from_messages(source: str, messages: Sequence[Message | Mapping[str, Any]]) -> str:
+def prompt_id_from_messages(source: str, messages: Sequence[Message | Mapping[str, Any]], tools: Tools = None) -> str:
     """Id of a prompt without a model: sha256 over its source label and its messages' role and content.
 
-    Takes messages or their dict form (tests and benchmarks build prompts from literals).
+    Takes messages or their dict form (tests and benchmarks build prompts from literals). A message's other
+    fields (reasoning, tool calls, tool-call id, name) and the prompt's tools join the hash only when set,
+    so every id of a prompt made of plain turns stays what it was.
     """
-    pairs = [[m.role, m.content] if isinstance(m, Message) else [m["role"], m["content"]] for m in messages]
-    payload = json.dumps([source, pairs], ensure_ascii=False)
+    pairs = [_id_part(m.to_dict() if isinstance(m, Message) else m) for m in messages]
+    body: list[Any] = [source, pairs]
+    if tools:
+        body.append(list(tools))
+    payload = json.dumps(body, ensure_ascii=False)
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:24]
+
+
+def _id_part(message: Mapping[str, Any]) -> list[Any]:
+    extra = {k: v for k, v in message.items() if k not in ("role", "content") and v is not None}
+    return [message["role"], message["content"], extra] if extra else [message["role"], message["content"]]
 
 
 def prompt_id_from_ids(source: str, token_ids: list[int]) -> str:
@@ -87,19 +97,19 @@ class PromptIdentity:
         # The flow's own instance (ChatTokenizer.shared): one tokenizer load per process.
         return cls(preparer_for(spec, ChatTokenizer.shared(path)))
 
-    def __call__(self, source: str, messages: list[Message]) -> tuple[str, array[int]]:
-        """(prompt id, rendered token ids) of `messages` from `source`; raises Unsendable."""
-        prompt_id, view = self.identify(source, messages)
+    def __call__(self, source: str, messages: list[Message], tools: Tools = None) -> tuple[str, array[int]]:
+        """(prompt id, rendered token ids) of `messages` (and `tools`) from `source`; raises Unsendable."""
+        prompt_id, view = self.identify(source, messages, tools)
         return prompt_id, array("i", view.ids)
 
-    def identify(self, source: str, messages: list[Message]) -> tuple[str, PromptView]:
+    def identify(self, source: str, messages: list[Message], tools: Tools = None) -> tuple[str, PromptView]:
         """(prompt id, the prompt as the model sees it: ids, normalized messages); raises Unsendable."""
-        view = self.preparer.view(messages)
+        view = self.preparer.view(messages, tools)
         return prompt_id_from_ids(source, view.ids), view
 
-    def prompt_id(self, source: str, messages: list[Message]) -> str:
+    def prompt_id(self, source: str, messages: list[Message], tools: Tools = None) -> str:
         """The prompt id alone; raises Unsendable."""
-        return self(source, messages)[0]
+        return self(source, messages, tools)[0]
 
 
 def preparer_for(spec: RunSpec, chat: ChatTokenizer) -> Preparer:

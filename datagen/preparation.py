@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from datagen.chat import ChatTokenizer
+from datagen.chat import ChatTokenizer, Tools
 from datagen.prompt_view import PromptView, PromptViewError, model_view
 from datagen.records import Message
 from datagen.storage import sha256_file
@@ -57,11 +57,11 @@ class Preparer:
         """What the ids depend on besides the messages: the model (tokenizer, template) and thinking."""
         return f"{self.chat.fingerprint}:thinking={self.enable_thinking}"
 
-    def __call__(self, messages: list[Message]) -> list[int]:
-        """The prompt's token ids (generation prompt included); raises Unsendable."""
-        return self.view(messages).ids
+    def __call__(self, messages: list[Message], tools: Tools = None) -> list[int]:
+        """The prompt's token ids (generation prompt included, `tools` rendered when given); raises Unsendable."""
+        return self.view(messages, tools).ids
 
-    def view(self, messages: list[Message]) -> PromptView:
+    def view(self, messages: list[Message], tools: Tools = None) -> PromptView:
         """The prompt as the model sees it (ids, normalized messages; datagen.prompt_view); raises Unsendable.
 
         The one check of what can be sent, at load and in generation alike: `template_error`,
@@ -69,7 +69,7 @@ class Preparer:
         `prompt_decode_mismatch`.
         """
         try:
-            return model_view(self.chat, messages, self.enable_thinking, self.token_limit, self.limit_note)
+            return model_view(self.chat, messages, self.enable_thinking, self.token_limit, self.limit_note, tools)
         except PromptViewError as err:
             raise Unsendable(err.reason, err.message) from err
 

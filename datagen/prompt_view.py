@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from datagen.chat import ChatTokenizer, TemplateError
+from datagen.chat import ChatTokenizer, TemplateError, Tools
 from datagen.records import ContentPart, Message
 
 __all__ = [
@@ -148,7 +148,12 @@ def content_over_limit(
 
 
 def model_view(
-    chat: ChatTokenizer, messages: list[Message], enable_thinking: bool, limit: int, limit_note: str = ""
+    chat: ChatTokenizer,
+    messages: list[Message],
+    enable_thinking: bool,
+    limit: int,
+    limit_note: str = "",
+    tools: Tools = None,
 ) -> PromptView:
     """The prompt as the model will see it, or PromptViewError (reason: a load reject reason) if it cannot be sent.
 
@@ -186,7 +191,7 @@ def model_view(
             "stopped counting there",
         )
     try:
-        text = chat.render(sent, enable_thinking)
+        text = chat.render(sent, enable_thinking, tools)
     except TemplateError as exc:
         raise PromptViewError("template_error", f"the chat template refused it: {exc}") from exc
     ids = chat.encode(text)

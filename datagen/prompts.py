@@ -10,8 +10,9 @@ Formats, detected per row unless the source names one:
 - OpenAI: `{"messages": [{"role": "user"|"assistant"|"system", "content": str | [{"type": "text", "text": str}]}]}`
 - Alpaca: `{"instruction": str, "input": str?, "output": ignored, "system": str?}`
 
-A trailing assistant turn is dropped (it is what we regenerate); earlier turns and a leading system prompt
-are kept; the last kept turn must be a user turn.
+Tool turns, assistant tool calls and a row's `tools` list (OpenAI and ShareGPT forms): datagen.conversations.
+A trailing assistant turn is dropped (it is what we regenerate; with a ShareGPT call turn after it, both);
+earlier turns and a leading system prompt are kept; the last kept turn must be a user or tool turn.
 """
 
 from __future__ import annotations
@@ -25,6 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from datagen.conversations import (
+    CALL_SPEAKERS,
+    RESULT_SPEAKERS,
+    TOOL_REJECT_REASONS,
+    close_calls,
+    row_tools,
+    turn_message,
+)
 from datagen.identity import PromptIdentity, prompt_id_from_messages
 from datagen.preparation import Unsendable
 from datagen.records import Message, Prompt, Reject, Role
@@ -49,7 +58,6 @@ LOAD_REJECT_REASONS = frozenset(
         "empty_conversation",
         "empty_user_content",
         "empty_assistant_content",
-        "unsupported_role",
         "unknown_role",
         "non_text_content",
         "system_not_first",
@@ -62,6 +70,7 @@ LOAD_REJECT_REASONS = frozenset(
         "bad_category",
         "invalid_unicode",
         "prompt_decode_mismatch",
+        *TOOL_REJECT_REASONS,
     }
 )
 # A category value is copied into the dataset, its card and the UI: a short plain label, never markup or control text.
@@ -71,9 +80,6 @@ _USER_ROLES = frozenset({"human", "user"})
 _ASSISTANT_ROLES = frozenset({"gpt", "assistant", "chatgpt", "model"})
 # OpenAI's "developer" role is its newer name for the system prompt.
 _SYSTEM_ROLES = frozenset({"system", "developer"})
-_TOOL_ROLES = frozenset(
-    {"tool", "function", "function_call", "function_response", "tool_call", "tool_response", "observation", "ipython"}
-)
 # Hub ids are "name" or "owner/name"; anything else that does not exist locally is a missing local path.
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
 _WS_RE = re.compile(r"[ \t\r\n]*")
@@ -180,14 +186,15 @@ def _to_prompt(
         if not isinstance(raw, dict):
             raise _RowError("not_an_object", f"row is a JSON {type(raw).__name__}, expected an object")
         messages = _messages(raw, source.format)
+        tools = row_tools(raw, source.tools)
         category = _category(raw, source.category_field)
         input_ids, normalized = None, None
         if identity is not None:
             # The messages as the model sees them (normalized like the tokenizer normalizes) are what ships.
-            prompt_id, view = identity.identify(label, messages)
+            prompt_id, view = identity.identify(label, messages, tools)
             messages, normalized, input_ids = view.messages, view.normalized, array("i", view.ids)
         else:
-            prompt_id = prompt_id_from_messages(label, messages)
+            prompt_id = prompt_id_from_messages(label, messages, tools)
     except Unsendable as err:  # _RowError included
         return Reject(
             stage="load", reason=err.reason, detail=f"{where}: {err.detail}", source=label, row=row, location=where
@@ -211,6 +218,7 @@ def _to_prompt(
         category=category,
         location=where,
         normalized=normalized,
+        tools=tools,
     )
     prompt.input_ids = input_ids  # the render its id came from: planning keeps it for generation
     return prompt
@@ -690,9 +698,11 @@ def _role(speaker: str, label: str) -> Role:
         return "assistant"
     if name in _SYSTEM_ROLES:
         return "system"
-    if name in _TOOL_ROLES:
-        raise _RowError("unsupported_role", f"{label} is {speaker!r}: tool and function turns are not supported")
-    raise _RowError("unknown_role", f"{label} is {speaker!r}, not a user, assistant or system role")
+    if name in CALL_SPEAKERS:
+        return "assistant"
+    if name in RESULT_SPEAKERS:
+        return "tool"
+    raise _RowError("unknown_role", f"{label} is {speaker!r}, not a user, assistant, system or tool role")
 
 
 def _alpaca_turns(row: dict[str, Any]) -> list[_Turn]:
@@ -732,26 +742,37 @@ def _conversation(turns: list[_Turn]) -> list[Message]:
     if systems and turns[0][0] != "system":
         raise _RowError("system_not_first", f"system message at {systems[0]} is not the first turn")
     if turns[-1][0] == "assistant":
-        turns = turns[:-1]  # the reply we regenerate: its content does not matter
+        # The reply we regenerate: its content does not matter. A ShareGPT call turn is the reply's call.
+        called = _speaker(turns[-1]) in CALL_SPEAKERS
+        turns = turns[:-1]
+        if called and turns and turns[-1][0] == "assistant" and _speaker(turns[-1]) not in CALL_SPEAKERS:
+            turns = turns[:-1]
     messages: list[Message] = []
     for role, content, label, raw in turns:
-        if role == "assistant" and raw.get("tool_calls"):
-            raise _RowError("unsupported_role", f"{label}: assistant turn with tool calls is not supported")
-        text = _text(content, label)
-        if not text.strip() and role != "system":
+        message = turn_message(role, content, label, raw, _speaker((role, content, label, raw)), _text)
+        if not message.text.strip() and role in ("user", "assistant") and not message.tool_calls:
             # An empty system prompt is kept: the template renders its (empty) block, and the prompt must be
-            # what apply_chat_template makes of the messages as given.
+            # what apply_chat_template makes of the messages as given. So is an empty tool result.
             reason = "empty_user_content" if role == "user" else "empty_assistant_content"
             raise _RowError(reason, f"{label} is empty")
-        messages.append(Message(role=role, content=text))
+        messages.append(message)
+    messages = close_calls(messages, [label for _, _, label, _ in turns])
     if not any(m.role == "user" for m in messages):
         raise _RowError("no_user_turn", "conversation has no user turn")
-    if messages[-1].role != "user":
+    if messages[-1].role not in ("user", "tool"):
         raise _RowError(
             "last_turn_not_user",
             f"after dropping one trailing assistant reply the last turn is {messages[-1].role!r}",
         )
     return messages
+
+
+def _speaker(turn: _Turn) -> str:
+    """The turn's speaker name as the row wrote it (lowercased), e.g. ShareGPT's 'function_call'."""
+    raw, label = turn[3], turn[2]
+    key = label.rsplit(".", 1)[-1]
+    speaker = raw.get("from" if key == "value" else "role")
+    return speaker.strip().lower() if isinstance(speaker, str) else ""
 
 
 def _text(content: Any, label: str) -> str:
@@ -760,10 +781,7 @@ def _text(content: Any, label: str) -> str:
     if isinstance(content, list):
         parts: list[str] = []
         for j, part in enumerate(content):
-            if isinstance(part, str):
-                parts.append(part)
-                continue
-            if not isinstance(part, dict):
+            if not isinstance(part, dict):  # a bare string too: the model's template raises on one
                 raise _RowError("wrong_type", f"{label}[{j}] must be an object, got {type(part).__name__}")
             kind = part.get("type", "text")
             if kind != "text":

@@ -137,6 +137,8 @@ def _record_json(record: Any, skip: frozenset[str] = frozenset()) -> str:
         if f.name not in skip and not (f.name in _OMITTED_WHEN_UNSET and getattr(record, f.name) is None)
     }
     body["messages"] = [m.to_dict() for m in body["messages"]]
+    if body.get("tool_calls") is not None:
+        body["tool_calls"] = [c.to_dict() for c in body["tool_calls"]]
     return json.dumps(body, ensure_ascii=False)
 
 
@@ -158,6 +160,9 @@ class Prompt:
     # The rendered prompt's token ids when the loader rendered it (for its id): held in memory only, never in
     # the JSON line; planning writes them beside the shard (datagen.preparation) so generation need not render.
     input_ids: array[int] | None = field(default=None, repr=False, compare=False)
+    # The functions the conversation may call (OpenAI function schemas, as the row or its source gives them):
+    # passed to the chat template as `tools=` wherever the prompt is rendered. None: the row declares none.
+    tools: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         self.messages = _messages_in(self.messages)
@@ -227,9 +232,14 @@ class Completion:
     meta: dict[str, Any] = field(default_factory=dict)
     location: str | None = None  # the input row (see Prompt.location)
     normalized: str | None = None  # see Prompt.normalized
+    tools: list[dict[str, Any]] | None = None  # the prompt's tools (see Prompt.tools): its render needs them
+    # The calls the model made in its answer (datagen.toolcalls parses them from `text`); None: it made none.
+    tool_calls: list[ToolCall] | None = None
 
     def __post_init__(self) -> None:
         self.messages = _messages_in(self.messages)
+        if self.tool_calls is not None:
+            self.tool_calls = [c if isinstance(c, ToolCall) else ToolCall.from_dict(c) for c in self.tool_calls]
 
     def to_json(self) -> str:
         return _record_json(self)

@@ -7,7 +7,7 @@ field gets the model's defaults for the rest, never a deployment's).
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -87,6 +87,13 @@ class PromptSource(BaseModel):
         ),
     )
     max_rows: int | None = Field(None, ge=1, description="Read at most this many rows from the source.")
+    tools: list[dict[str, Any]] | None = Field(
+        None,
+        description=(
+            "Functions the conversations may call (OpenAI function schemas), for rows that carry no 'tools' of "
+            "their own: rendered into every such prompt by the model's chat template."
+        ),
+    )
     allow_partial_read: bool = Field(
         False,
         description=(

@@ -29,8 +29,9 @@ from datagen.engine.dispatcher import Dispatcher, GenerateJob, SubmitTimeout
 from datagen.identity import RequestKeys, preparer_for
 from datagen.layout import RunLayout
 from datagen.preparation import Unsendable, read_rendered
-from datagen.records import Completion, Prompt, Reject
+from datagen.records import Completion, Prompt, Reject, ToolCall
 from datagen.runspec import RunSpec
+from datagen.toolcalls import answer_text, parse_tool_calls
 
 __all__ = [
     "CheckpointError",
@@ -123,7 +124,16 @@ def _completion(prompt: Prompt, key: str, sent_tokens: int, result: GenerateResu
         meta=meta,
         location=prompt.location,
         normalized=prompt.normalized,
+        tools=prompt.tools,
+        tool_calls=_tool_calls(prompt, result.text),
     )
+
+
+def _tool_calls(prompt: Prompt, text: str) -> list[ToolCall] | None:
+    """The calls in the answer of a prompt that declares tools (parsed as SGLang's qwen3_coder parser does)."""
+    if not prompt.tools:
+        return None
+    return parse_tool_calls(answer_text(text), prompt.tools) or None
 
 
 def unsettled_requests(shard_id: int, layout: RunLayout, chat: ChatTokenizer, spec: RunSpec) -> int:
@@ -241,7 +251,11 @@ def generate_shard(
             try:
                 assert dispatcher is not None  # unsettled requests exist only with servers (checked above)
                 with dispatcher.turn((shard_id, row)):  # prepared in plan order, like the queue lets them in
-                    ids = prepare.fitting(rendered[row]) if rendered is not None else prepare(prompt.messages)
+                    ids = (
+                        prepare.fitting(rendered[row])
+                        if rendered is not None
+                        else prepare(prompt.messages, prompt.tools)
+                    )
             except Unsendable as exc:
                 rejects.write(_reject(prompt, key, exc.reason, exc.detail).to_json())
                 settled_unsent()

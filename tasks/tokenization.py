@@ -114,7 +114,7 @@ def _check_token_exact(
 def build_token_exact(c: Completion, chat: ChatTokenizer, enable_thinking: bool) -> TokenRow:
     """Prompt ids + the server's output ids, loss on the completion (EOS included); raises RowRejected."""
     try:
-        prompt_text = chat.render(c.messages, enable_thinking)
+        prompt_text = chat.render(c.messages, enable_thinking, c.tools)
     except TemplateError as exc:
         raise RowRejected("template_error", str(exc)) from exc
     ids, n_prompt = _check_token_exact(c, chat, prompt_text, chat.encode(prompt_text))
@@ -143,13 +143,13 @@ def build_rerendered(c: Completion, chat: ChatTokenizer, enable_thinking: bool) 
     if c.finish_reason != "stop":
         raise RowRejected("rerender_unsupported", f"finish_reason={c.finish_reason!r}: no complete turn to render")
     try:
-        prompt_text = chat.render(c.messages, enable_thinking)
+        prompt_text = chat.render(c.messages, enable_thinking, c.tools)
         if enable_thinking and "</think>" not in c.text:
             raise RowRejected("rerender_unsupported", "no </think> in the text to split reasoning from answer")
         # The template itself splits "reasoning</think>answer" (as the old scripts had it do), so its own
         # whitespace rules apply, exactly as they would for any consumer re-rendering the conversation.
         turn = Message(role="assistant", content=c.text)
-        conversation = chat.render_conversation([*c.messages, turn], enable_thinking)
+        conversation = chat.render_conversation([*c.messages, turn], enable_thinking, c.tools)
     except TemplateError as exc:
         raise RowRejected("template_error", str(exc)) from exc
     if not conversation.startswith(prompt_text):
@@ -455,7 +455,7 @@ def _build_batch(
     template_errors: dict[int, RowRejected] = {}
     for i, c in enumerate(completions):
         try:
-            texts.append(chat.render(c.messages, enable_thinking))
+            texts.append(chat.render(c.messages, enable_thinking, c.tools))
         except TemplateError as exc:
             texts.append(None)
             template_errors[i] = RowRejected("template_error", str(exc))

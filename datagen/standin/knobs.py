@@ -38,6 +38,8 @@ class Knobs:
     stall_after: int | None = None
     crash_after: int | None = None
     seed: int = 0
+    tool_call_rate: float = 0.5
+    tool_call_match: bool = True
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Knobs:
@@ -81,7 +83,21 @@ class Knobs:
             stall_after=opt_int("STALL_AFTER"),
             crash_after=opt_int("CRASH_AFTER"),
             seed=num("SEED", int, d.seed),
+            tool_call_rate=num("TOOL_CALL_RATE", float, d.tool_call_rate, 0),
+            tool_call_match=_flag(source.get(ENV_PREFIX + "TOOL_CALL_MATCH"), d.tool_call_match, "TOOL_CALL_MATCH"),
         )
-        if knobs.reasoning_fraction > 1 or knobs.error_rate > 1:
-            raise KnobError(f"{ENV_PREFIX}REASONING_FRACTION and {ENV_PREFIX}ERROR_RATE must be in [0, 1]")
+        if knobs.reasoning_fraction > 1 or knobs.error_rate > 1 or knobs.tool_call_rate > 1:
+            names = ", ".join(ENV_PREFIX + n for n in ("REASONING_FRACTION", "ERROR_RATE", "TOOL_CALL_RATE"))
+            raise KnobError(f"{names} must be in [0, 1]")
         return knobs
+
+
+def _flag(raw: str | None, default: bool, name: str) -> bool:
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes"):
+        return True
+    if value in ("0", "false", "no"):
+        return False
+    raise KnobError(f"{ENV_PREFIX}{name}={raw!r}: expected 1/0 (true/false)")

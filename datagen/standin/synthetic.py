@@ -13,6 +13,7 @@ import numpy.typing as npt
 
 from datagen.chat import IM_END_ID, THINK_END_ID, THINK_START_ID, ChatTokenizer
 from datagen.standin.knobs import Knobs
+from datagen.standin.toolcall import call_text, declared_tools
 
 __all__ = ["NEWLINES_ID", "NEWLINE_ID", "OutputPlan", "SyntheticModel"]
 
@@ -102,6 +103,9 @@ class SyntheticModel:
         if ignore_eos:
             total = max(total, max_new_tokens + 1)
         thinking = prompt_ids[-2:] == [THINK_START_ID, NEWLINE_ID]
+        # Only a prompt that declares tools draws for a call: every other output stays what it always was.
+        tools = declared_tools(self.tokenizer, prompt_ids) if k.tool_call_rate > 0 else []
+        calls = bool(tools) and float(rng.random()) < k.tool_call_rate
         if thinking:
             frac = float(np.clip(rng.normal(k.reasoning_fraction, 0.1), 0.05, 0.95))
             n_reason = max(1, round((total - 4) * frac))
@@ -109,10 +113,10 @@ class SyntheticModel:
             parts = [
                 self._words(rng, n_reason, end_with_period=False),
                 np.array([NEWLINE_ID, THINK_END_ID, NEWLINES_ID], dtype=np.int64),
-                self._words(rng, n_answer, end_with_period=True),
+                self._call(tools) if calls else self._words(rng, n_answer, end_with_period=True),
             ]
         else:
-            parts = [self._words(rng, max(1, total - 1), end_with_period=True)]
+            parts = [self._call(tools) if calls else self._words(rng, max(1, total - 1), end_with_period=True)]
         if not ignore_eos:
             parts.append(np.array([IM_END_ID], dtype=np.int64))
         ids = np.concatenate(parts)
@@ -130,6 +134,10 @@ class SyntheticModel:
             ends = np.flatnonzero(ids == THINK_END_ID)
             reasoning = int(ends[0]) + 1 if len(ends) else len(ids)
         return OutputPlan(ids=ids, finish_reason=finish, reasoning_tokens=reasoning)
+
+    def _call(self, tools: list[dict[str, Any]]) -> IdArray:
+        """An answer that is one tool call in the model's format (DATAGEN_STANDIN_TOOL_CALL_MATCH: which function)."""
+        return np.array(self.tokenizer.encode(call_text(tools, self.knobs.tool_call_match)), dtype=np.int64)
 
     def cut_at_stop_strings(self, plan: OutputPlan, stops: list[str]) -> OutputPlan:
         """Shorten a plan to end at the token that completes the first stop string (SGLang's stop-string rule)."""

@@ -194,7 +194,7 @@ def test_bundled_set_plans_with_default_sources(tmp_path: Path) -> None:
     plan = plan_shards(spec, layout, base_dir=REPO)
     assert plan.n_load_rejects == 0
     assert plan.n_prompts == sum(plan.prompts_by_source.values()) == sum(s.n_prompts for s in plan.shards)
-    assert len(plan.prompts_by_source) == 4
+    assert len(plan.prompts_by_source) == 6
     assert plan.shard_ids == list(range((plan.n_prompts + 99) // 100))
     assert os.path.getsize(layout.load_rejects) == 0
 

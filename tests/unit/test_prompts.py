@@ -168,8 +168,10 @@ def test_malformed_rows_are_rejected_with_exact_lines_and_good_rows_survive(tmp_
             sg(("human", "   ")),  # line 8
             sg(("human", "a"), ("system", "late")),  # line 9
             sg(("system", "a"), ("system", "b"), ("human", "c")),  # line 10
-            sg(("human", "call it"), ("function_call", "{}"), ("observation", "42"), ("human", "and?")),  # line 11
-            oa(("user", "q"), ("tool", "r"), ("user", "q2")),  # line 12
+            sg(
+                ("human", "call it"), ("function_call", "{}"), ("observation", "42"), ("human", "and?")
+            ),  # line 11: no name
+            oa(("user", "q"), ("tool", "r"), ("user", "q2")),  # line 12: a result of no call
             sg(("human", "q"), ("gpt", "a"), ("gpt", "b")),  # line 13
             sg(("system", "only system")),  # line 14
             sg(("human", "q"), ("wizard", "a"), ("human", "q")),  # line 15
@@ -190,8 +192,8 @@ def test_malformed_rows_are_rejected_with_exact_lines_and_good_rows_survive(tmp_
         ("empty_user_content", 6, f"{f}:8"),
         ("system_not_first", 7, f"{f}:9"),
         ("multiple_system", 8, f"{f}:10"),
-        ("unsupported_role", 9, f"{f}:11"),
-        ("unsupported_role", 10, f"{f}:12"),
+        ("bad_tool_call", 9, f"{f}:11"),
+        ("bad_tool_turn", 10, f"{f}:12"),
         ("last_turn_not_user", 11, f"{f}:13"),
         ("no_user_turn", 12, f"{f}:14"),
         ("unknown_role", 13, f"{f}:15"),
@@ -203,7 +205,8 @@ def test_malformed_rows_are_rejected_with_exact_lines_and_good_rows_survive(tmp_
     by_line = {r.detail.split(": ", 1)[0]: r.detail.split(": ", 1)[1] for r in rejects}
     assert by_line[f"{f}:6"] == "conversations[0] has no 'value'"
     assert by_line[f"{f}:7"] == "'conversations' must be a list of turns, got str"
-    assert by_line[f"{f}:11"] == ("conversations[1].from is 'function_call': tool and function turns are not supported")
+    assert by_line[f"{f}:11"] == "conversations[1].value has no function name"
+    assert by_line[f"{f}:12"] == "messages[1].content: a tool result that follows no assistant tool call"
     assert by_line[f"{f}:13"] == "after dropping one trailing assistant reply the last turn is 'assistant'"
 
 
@@ -545,7 +548,14 @@ def test_bundled_prompt_set_loads_cleanly_with_a_broad_mix() -> None:
     prompts = [i for i in items if isinstance(i, Prompt)]
     assert 250 <= len(prompts) <= 350
     sources = Counter(p.source for p in prompts)
-    assert set(sources) == {"alpaca_instructions", "mixed_topics", "openai_messages", "sharegpt_chat"}
+    assert set(sources) == {
+        "alpaca_instructions",
+        "mixed_topics",
+        "openai_messages",
+        "sharegpt_chat",
+        "tool_calls_openai",
+        "tool_calls_sharegpt",
+    }
     categories = Counter(p.category for p in prompts)
     assert None not in categories
     assert len(categories) >= 12
@@ -553,7 +563,11 @@ def test_bundled_prompt_set_loads_cleanly_with_a_broad_mix() -> None:
     assert max(categories.values()) / len(prompts) < 0.15
     assert sum(1 for p in prompts if p.messages[0].role == "system") >= 20
     assert sum(1 for p in prompts if any(m.role == "assistant" for m in p.messages)) >= 10
-    assert all(p.messages[-1].role == "user" for p in prompts)
+    assert all(p.messages[-1].role in ("user", "tool") for p in prompts)
+    # Tool-calling conversations in both forms: tools declared, calls made, results recorded.
+    assert sum(1 for p in prompts if p.tools) >= 20
+    assert sum(1 for p in prompts if any(m.tool_calls for m in p.messages)) >= 12
+    assert sum(1 for p in prompts if p.messages[-1].role == "tool") >= 6
 
 
 def test_bundled_parquet_matches_its_generator_script() -> None:
