@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, cast
@@ -36,6 +37,7 @@ from datagen.checks import CheckResult
 from datagen.dataset_card import Lineage, write_dataset_card
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.launcher import ServerFleet
+from datagen.engine.memory_plan import numerics_flags
 from datagen.layout import RunLayout
 from datagen.runspec import AUTO_NAMESPACE, QualityGate, RunSpec
 from datagen.settings import Settings
@@ -120,6 +122,7 @@ def _generate_shard(
 
 
 check_environment_task = task(name="check environment", cache_policy=NO_CACHE)(_check_environment)
+memory_plan_task = task(name="memory plan", cache_policy=NO_CACHE)(environment.memory_plan_for)
 plan_task = task(name="plan shards", cache_policy=NO_CACHE)(planning.plan_shards)
 start_servers_task = task(name="start servers", cache_policy=NO_CACHE)(_start_servers)
 pending_task = task(name="check checkpoints", cache_policy=NO_CACHE)(_shards_to_generate)
@@ -177,6 +180,7 @@ def finish_dataset(
     shard_results: list[generation.ShardResult],
     run_id: str | None,
     stream: finishing.StreamingFinish | None = None,
+    plan_args: Sequence[str] = (),
 ) -> tokenization.TokenizationSummary:
     """Gate what the stream validated, close tokenization, gate again and write the dataset card.
 
@@ -221,6 +225,8 @@ def finish_dataset(
             source_mix=tokenized.rows_by_source,
             category_mix=tokenized.rows_by_category,
             server_args=spec.server_args,
+            numerics_flags=numerics_flags(spec.server_args),
+            memory_plan=list(plan_args),
             run_id=run_id,
             created_at=datetime.now(UTC).isoformat(timespec="seconds"),
         ),
@@ -263,6 +269,9 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
     # Prompts an earlier namespace published are skipped (this run's own part is not: a rerun plans the same).
     skip = catalog.published_prompt_ids(store, exclude={spec.namespace}) if spec.skip_published else set()
     projection = pilot.load_projection(settings.work_dir, spec.pilot) if spec.pilot else None
+    mean_output = float(projection.output_tokens["mean"]) if projection else None
+    memory_plan, memory_why = memory_plan_task(settings, spec, None, mean_output)
+    logger.info("memory plan: %s", memory_why)
     select, selection = ordering.run_filter(
         spec, skip, layout.root / "sort-spill", projection.length_model if projection else None
     )
@@ -341,7 +350,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         )
     else:
         api_key = provisioning.api_key_for(settings)
-        fleet = provisioning.provision(settings, spec, layout, api_key)
+        fleet = provisioning.provision(settings, spec, layout, api_key, memory_plan.plan_args if memory_plan else ())
         try:
             # A named task, so a server that fails to start shows as a red task with its log lines.
             start_servers_task(fleet)
@@ -378,7 +387,8 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
     clock.mark("generation")
 
     shard_results.sort(key=lambda r: r.shard_id)
-    tokenized = finish_dataset(spec, layout, chat, plan.n_load_rejects, shard_results, run_id, stream)
+    plan_args = memory_plan.plan_args if memory_plan else []
+    tokenized = finish_dataset(spec, layout, chat, plan.n_load_rejects, shard_results, run_id, stream, plan_args)
     clock.mark("validation + tokenization")
     lineage = {
         "run_spec": spec.model_dump(mode="json"),
@@ -388,6 +398,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         "engine": settings.engine,
         "engine_version": server_version,
         "gpu": gpu_description,
+        "memory_plan": memory_plan.lineage() if memory_plan else {"skipped": memory_why},
         "pipeline_version": datagen.__version__,
         "plan_sha256": plan.plan_sha256,
         "rows": tokenized.n_rows,

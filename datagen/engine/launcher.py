@@ -121,8 +121,19 @@ def arch_args(capabilities: Sequence[str], user_args: Sequence[str] = ()) -> lis
     return []  # elsewhere SGLang's own default (fa3 on Hopper, triton/trtllm_mha on SM100)
 
 
-def launch_flags(settings: Settings, spec: RunSpec, port: int, api_key: str, nccl_port: int | None = None) -> list[str]:
-    """Every launch flag of one server (the key in clear: never log this, log `mask_command`)."""
+def launch_flags(
+    settings: Settings,
+    spec: RunSpec,
+    port: int,
+    api_key: str,
+    nccl_port: int | None = None,
+    plan_args: Sequence[str] = (),
+) -> list[str]:
+    """Every launch flag of one server (the key in clear: never log this, log `mask_command`).
+
+    `plan_args`: the memory plan's tuning flags (`memory_plan.MemoryPlan.plan_args`, which never repeats a flag
+    the run spec sets); they come before `spec.server_args`, so the spec's own flags win.
+    """
     flags = [
         "--model-path",
         spec.model_path,
@@ -146,14 +157,21 @@ def launch_flags(settings: Settings, spec: RunSpec, port: int, api_key: str, ncc
     if nccl_port is not None:
         # Servers started together otherwise each pick "a free port" and can pick the same one.
         flags += ["--nccl-port", str(nccl_port)]
-    return [*flags, *arch_args(settings.allowed_compute_capabilities, spec.server_args), *spec.server_args]
+    arch = arch_args(settings.allowed_compute_capabilities, spec.server_args)
+    return [*flags, *arch, *plan_args, *spec.server_args]
 
 
 def server_command(
-    settings: Settings, spec: RunSpec, index: int, api_key: SecretStr, nccl_port: int | None = None
+    settings: Settings,
+    spec: RunSpec,
+    index: int,
+    api_key: SecretStr,
+    nccl_port: int | None = None,
+    plan_args: Sequence[str] = (),
 ) -> list[str]:
     """The full argv of server `index` (listening on base_port + index)."""
-    flags = launch_flags(settings, spec, settings.base_port + index, api_key.get_secret_value(), nccl_port)
+    port = settings.base_port + index
+    flags = launch_flags(settings, spec, port, api_key.get_secret_value(), nccl_port, plan_args)
     return [*engine_command(settings), *flags]
 
 
@@ -477,6 +495,7 @@ class ServerFleet(Sequence[ServerEndpoint]):
         *,
         stop_grace_s: float = STOP_GRACE_S,
         attach_timeout_s: float = ATTACH_HEALTH_TIMEOUT_S,
+        plan_args: Sequence[str] = (),
     ) -> None:
         # Base port 0: the fleet picks free ports itself, and picks again at start() if one was taken since.
         self._auto_ports = settings.base_port == 0 and not settings.server_urls
@@ -488,6 +507,7 @@ class ServerFleet(Sequence[ServerEndpoint]):
         self._api_key = api_key
         self.stop_grace_s = stop_grace_s
         self.attach_timeout_s = attach_timeout_s
+        self.plan_args = list(plan_args)
         self.attached = bool(settings.server_urls)
         self.engine_version: str | None = None
         self._servers: list[_Server] = []
@@ -514,7 +534,7 @@ class ServerFleet(Sequence[ServerEndpoint]):
                 name=f"gpu{i}",
                 url=_url(settings.server_host, settings.base_port + i),
                 index=i,
-                argv=server_command(settings, self.spec, i, self._api_key, nccl_ports[i]),
+                argv=server_command(settings, self.spec, i, self._api_key, nccl_ports[i], self.plan_args),
                 env=server_env(i),
                 log_path=self.layout.logs_dir / f"server-{i}.log",
             )

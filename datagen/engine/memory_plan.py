@@ -39,8 +39,12 @@ __all__ = [
     "ModelShape",
     "PrefixReuse",
     "Sizing",
+    "card_bandwidth",
     "choose_prefix_reuse",
     "decode_roofline",
+    "expected_context",
+    "is_hybrid_gdn",
+    "numerics_flags",
     "plan_memory",
     "sglang_mem_fraction_static",
     "sglang_sizing",
@@ -164,6 +168,16 @@ class ModelShape:
         if not isinstance(config, dict):
             raise ValueError(f"{path / 'config.json'}: not a JSON object")
         return cls.from_config(config, mamba_ssm_dtype=mamba_ssm_dtype)
+
+
+_HYBRID_GDN_MODEL_TYPES = frozenset({"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"})
+
+
+def is_hybrid_gdn(config: Mapping[str, Any]) -> bool:
+    """Whether config.json is a Qwen3.5/3.6/Next hybrid GDN model, the family this sizing models."""
+    text = config.get("text_config")
+    text_type = text.get("model_type") if isinstance(text, Mapping) else None
+    return config.get("model_type") in _HYBRID_GDN_MODEL_TYPES or text_type in _HYBRID_GDN_MODEL_TYPES
 
 
 def weights_bytes(path: Path) -> int | None:
@@ -539,7 +553,8 @@ def _given(args: Sequence[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
-def _numerics(server_args: Sequence[str]) -> list[str]:
+def numerics_flags(server_args: Sequence[str]) -> list[str]:
+    """The output-changing flags among `server_args`, with their values (for the lineage and the card)."""
     out: list[str] = []
     for i, a in enumerate(server_args):
         name = a.split("=", 1)[0]
@@ -636,7 +651,7 @@ def plan_memory(
         chosen=chosen.name,
         plan_args=plan_args,
         overridden=overridden,
-        numerics=_numerics(server_args),
+        numerics=numerics_flags(server_args),
         launched=sglang_sizing(model, gpu, launched_flags),
         reasons=reasons,
     )
