@@ -25,7 +25,13 @@ from datagen.layout import RunLayout
 from datagen.runspec import AUTO_NAMESPACE, RunSpec
 from datagen.settings import Settings
 from datagen.storage import ObjectStore
-from flows.expand_dataset import SHARDS_IN_FLIGHT, check_environment_task, generate_shard_task, validate_task
+from flows.expand_dataset import (
+    SHARDS_IN_FLIGHT,
+    check_environment_task,
+    generate_shard_task,
+    memory_plan_task,
+    validate_task,
+)
 from tasks import generation, pilot, provisioning
 
 __all__ = ["pilot_flow"]
@@ -59,10 +65,14 @@ def pilot_flow(spec: RunSpec = RunSpec(), pilot_spec: pilot.PilotSpec = pilot.Pi
         raise ValueError("the pilot found no prompts to sample (all published already, or targets of 0)")
     chat = ChatTokenizer.shared(spec.model_path)
 
+    # Before any output is measured the plan assumes max_new_tokens/2 of output; the main run's plan below
+    # uses the pilot's measured mean.
+    pilot_plan, plan_why = memory_plan_task(settings, spec, None, None)
+    logger.info("memory plan: %s", plan_why)
     api_key = provisioning.api_key_for(settings)
     results: list[generation.ShardResult] = []
     with (
-        provisioning.provision(settings, spec, layout, api_key) as fleet,
+        provisioning.provision(settings, spec, layout, api_key, pilot_plan.plan_args if pilot_plan else ()) as fleet,
         Dispatcher(fleet.endpoints, on_server_down=fleet.restart) as dispatcher,
     ):
         dispatcher.wait_ready(settings.server_start_timeout_s)
@@ -85,6 +95,8 @@ def pilot_flow(spec: RunSpec = RunSpec(), pilot_spec: pilot.PilotSpec = pilot.Pi
     )
     servers = pilot_spec.project_servers or settings.num_servers
     projection = project_task(layout, plan, population, summary, throughput, servers, pilot_spec)
+    main_plan, main_why = memory_plan_task(settings, spec, None, float(projection.output_tokens["mean"]))
+    projection.engine = pilot.engine_section(pilot_plan, main_plan, main_why)
     path = pilot.write_projection(layout, projection)
     create_markdown_artifact(
         markdown=pilot.render_projection(projection), key="pilot-projection", description="Pilot projection"

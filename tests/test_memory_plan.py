@@ -178,3 +178,16 @@ def test_standin_runs_more_requests_with_the_plan_than_with_defaults(model: Mode
     assert caps == {"defaults": plan.default.sizing.max_running_requests, "plan": plan.planned.concurrency}
     assert "max_running_requests is capped to 13 by the mamba state cache" in (tmp_path / "defaults.log").read_text()
     assert peaks["defaults"] == caps["defaults"] < peaks["plan"] == caps["plan"]
+
+
+def test_pilot_report_shows_the_plan_and_its_roofline_beside_the_measurement(model: ModelShape) -> None:
+    from tasks.pilot import _engine_rows, engine_section
+
+    before = plan_memory(model, GPU, 4608, context_source="prompt + max_new_tokens/2 (no pilot yet)")
+    after = plan_memory(model, GPU, 2012, context_source="prompt + pilot-measured output")
+    rows = "\n".join(_engine_rows(engine_section(before, after, "")))
+    assert f"({before.planned.concurrency} running per GPU)" in rows
+    assert f"main run's plan at 2,012 tokens of context | {' '.join(after.plan_args)}" in rows
+    assert f"SGLang defaults: {after.default.concurrency}" in rows
+    assert after.roofline_tokens_per_s is not None and f"{after.roofline_tokens_per_s:,.0f} |" in rows
+    assert _engine_rows(engine_section(None, None, "no GPU probe")) == ["| memory plan | no GPU probe |"]
