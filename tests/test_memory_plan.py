@@ -191,3 +191,29 @@ def test_pilot_report_shows_the_plan_and_its_roofline_beside_the_measurement(mod
     assert f"SGLang defaults: {after.default.concurrency}" in rows
     assert after.roofline_tokens_per_s is not None and f"{after.roofline_tokens_per_s:,.0f} |" in rows
     assert _engine_rows(engine_section(None, None, "no GPU probe")) == ["| memory plan | no GPU probe |"]
+
+
+def test_real_box_configuration_plans_from_the_probe_and_the_checkpoint(tmp_path: Path) -> None:
+    """8x RTX PRO 6000 as the GPU probe reports them, the checkpoint's own size: the check row datagen prints."""
+    probe = json.loads((Path(__file__).parent / "fixtures" / "gpu_probe_8x_sm120.json").read_text(encoding="utf-8"))
+    model_dir = tmp_path / "Qwen3.6-27B"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(CONFIG_27B.read_text(encoding="utf-8"), encoding="utf-8")
+    index = {"metadata": {"total_size": WEIGHTS}, "weight_map": {}}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps(index), encoding="utf-8")
+    settings = Settings(engine="sglang", engine_python="/opt/sglang/.venv/bin/python", work_dir=tmp_path)
+    spec = RunSpec(model_path=str(model_dir), sampling={"max_new_tokens": 4096})
+    plan, line = environment.memory_plan_for(settings, spec, probe)
+    assert plan is not None and plan.context_tokens == 512 + 2048
+    smallest_free = min(d["free_memory_bytes"] for d in probe["devices"])
+    expected = plan_memory(
+        ModelShape.from_config(json.loads(CONFIG_27B.read_text(encoding="utf-8"))),
+        GpuMemory(probe["devices"][0]["total_memory_bytes"], smallest_free, WEIGHTS, 1.792e12),
+        2560,
+        context_source="x",
+    )
+    assert plan.plan_args == expected.plan_args and plan.planned.concurrency == expected.planned.concurrency
+    assert line.startswith(f"{plan.planned.concurrency} running requests per GPU at 2,560 tokens of context")
+    assert plan.roofline_tokens_per_s is not None  # the card's bandwidth is known by its name
+    no_weights = RunSpec(model_path=str(ensure_model_dir()))
+    assert environment.memory_plan_for(settings, no_weights, probe)[1].endswith("no safetensors weights to size")
