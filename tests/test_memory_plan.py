@@ -32,7 +32,7 @@ from datagen.standin.testing import run_standin
 from tasks import environment
 
 CONFIG_27B = Path(__file__).parent / "fixtures" / "qwen3.6-27b-config.json"
-GPU_BYTES = 97_887_535_104  # one RTX PRO 6000 as the driver reports it
+GPU_BYTES = 97_887 * 2**20  # one RTX PRO 6000 as the driver reports it (97,887 MiB)
 WEIGHTS = 54_714_000_000  # Qwen3.6-27B BF16 (estimate, see the conformance test)
 GPU = GpuMemory(GPU_BYTES, GPU_BYTES, WEIGHTS, bandwidth_bytes_per_s=1.792e12)
 STANDIN_GPU = {"DATAGEN_STANDIN_GPU_MEMORY_BYTES": str(GPU_BYTES), "DATAGEN_STANDIN_WEIGHTS_BYTES": str(WEIGHTS)}
@@ -129,8 +129,8 @@ def test_environment_report_prints_the_plan(tmp_path: Path, monkeypatch: pytest.
         monkeypatch.setenv(k, v)
     row = {r.name: r for r in environment.run_checks(settings, spec)}[environment.MEMORY_PLAN_CHECK]
     assert row.status == "pass"
-    # max_new_tokens 8192 and no pilot: 512 + 4096 tokens of context; defaults 13 (conformance tier's figure).
-    assert "at 4,608 tokens of context" in row.detail and "SGLang defaults: 13" in row.detail
+    # max_new_tokens 8192 and no pilot: 512 + 4096 tokens of context; defaults 15 (conformance tier's figure).
+    assert "at 4,608 tokens of context" in row.detail and "SGLang defaults: 15" in row.detail
     assert "--disable-radix-cache" in row.detail
     assert environment.MEMORY_PLAN_CHECK in environment.format_report([row])
     plan, _ = environment.memory_plan_for(settings, spec, mean_output_tokens=1500.0)
@@ -176,7 +176,7 @@ def test_standin_runs_more_requests_with_the_plan_than_with_defaults(model: Mode
         text = log.read_text(encoding="utf-8")
         assert "Mamba Cache is allocated. max_mamba_cache_size:" in text
     assert caps == {"defaults": plan.default.sizing.max_running_requests, "plan": plan.planned.concurrency}
-    assert "max_running_requests is capped to 13 by the mamba state cache" in (tmp_path / "defaults.log").read_text()
+    assert "max_running_requests is capped to 15 by the mamba state cache" in (tmp_path / "defaults.log").read_text()
     assert peaks["defaults"] == caps["defaults"] < peaks["plan"] == caps["plan"]
 
 

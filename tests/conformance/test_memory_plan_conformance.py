@@ -23,7 +23,7 @@ from datagen.model_fixture import ensure_model_dir
 from tests.conformance.conftest import REPO_ROOT, RealSglang
 
 # What the conformance shim's torch.cuda reports for one RTX PRO 6000 Blackwell: total, and free = total - 512 MiB.
-GPU_TOTAL_BYTES = 97_887_535_104
+GPU_TOTAL_BYTES = 97_887 * 2**20
 # Qwen3.6-27B in BF16 as loaded without speculative decoding (the MTP head stays on disk): 27.36e9 parameters
 # counted from tests/fixtures/qwen3.6-27b-config.json (embeddings and untied lm_head 2.54e9, 48 GDN layers
 # 12.83e9 with their MLPs, 16 attention layers 5.96e9, norms, vision tower 0.46e9) x 2 bytes. An estimate
