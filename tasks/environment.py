@@ -16,6 +16,7 @@ from datagen.checks.gpu import GpuProbeError, gpu_checks, run_probe
 from datagen.checks.model_dir import check_free_ram, check_free_space, model_dir_checks
 from datagen.checks.server_flags import SERVER_FLAG_CHECK_NAMES, server_flag_checks
 from datagen.engine.memory_plan import (
+    EngineFlags,
     GpuMemory,
     MemoryPlan,
     ModelShape,
@@ -121,6 +122,9 @@ def memory_plan_for(
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     if not is_hybrid_gdn(config):
         return None, "not a hybrid GDN model: SGLang's defaults"
+    if EngineFlags.from_args(spec.server_args).speculative_algorithm:
+        # Speculative decoding reserves draft state in the pools, which the plan does not model.
+        return None, "speculative decoding chosen in server_args: no plan, the spec's flags as given"
     if probe is None and settings.engine == "sglang" and not settings.server_urls and not settings.skip_gpu_checks:
         probe = run_probe(settings.engine_python)
     gpu = _planned_gpu(settings, probe, model_dir)

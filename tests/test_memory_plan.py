@@ -217,3 +217,17 @@ def test_real_box_configuration_plans_from_the_probe_and_the_checkpoint(tmp_path
     assert plan.roofline_tokens_per_s is not None  # the card's bandwidth is known by its name
     no_weights = RunSpec(model_path=str(ensure_model_dir()))
     assert environment.memory_plan_for(settings, no_weights, probe)[1].endswith("no safetensors weights to size")
+
+
+def test_speculative_or_malformed_server_args_never_crash_the_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for k, v in STANDIN_GPU.items():
+        monkeypatch.setenv(k, v)
+    settings = Settings(engine="standin", work_dir=tmp_path)
+    spec = RunSpec(model_path=str(ensure_model_dir()), server_args=["--speculative-algorithm", "NEXTN"])
+    plan, why = environment.memory_plan_for(settings, spec)
+    assert plan is None and why.startswith("speculative decoding chosen in server_args")
+    bad = RunSpec(model_path=str(ensure_model_dir()), server_args=["--max-running-requests", "many"])
+    row = {r.name: r for r in environment.run_checks(settings, bad)}[environment.MEMORY_PLAN_CHECK]
+    assert row.status == "fail" and "--max-running-requests: invalid int value: 'many'" in row.detail

@@ -26,7 +26,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 __all__ = [
     "CUDA_CONTEXT_BYTES",
@@ -215,6 +215,13 @@ def card_bandwidth(name: str) -> float | None:
     return next((bw for key, bw in _BANDWIDTH.items() if key in name), None)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ValueError instead of exiting: a bad flag value is the engine's to report."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(f"server_args: {message}")
+
+
 @dataclass(frozen=True)
 class EngineFlags:
     """The launch flags that decide pool sizes (SGLang 0.5.23 names, defaults as resolved for this model)."""
@@ -235,7 +242,7 @@ class EngineFlags:
     @classmethod
     def from_args(cls, args: Sequence[str]) -> EngineFlags:
         """The sizing flags among `args` (a run spec's server_args); other flags are ignored."""
-        p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        p = _Parser(add_help=False, allow_abbrev=False)
         p.add_argument("--disable-radix-cache", action="store_true")
         p.add_argument("--mamba-radix-cache-strategy", default="auto")
         p.add_argument("--disable-overlap-schedule", action="store_true")
@@ -587,6 +594,10 @@ def plan_memory(
     if base.speculative_algorithm:
         raise ValueError("no memory plan with speculative decoding (set --max-running-requests yourself)")
     if base.mamba_ssm_dtype:
+        if base.mamba_ssm_dtype not in _DTYPE_BYTES:
+            raise ValueError(
+                f"server_args: --mamba-ssm-dtype {base.mamba_ssm_dtype!r} is not one of {sorted(_DTYPE_BYTES)}"
+            )
         model = replace(model, ssm_dtype_bytes=_DTYPE_BYTES[base.mamba_ssm_dtype])
     # The plan's own choices start from SGLang's defaults for the flags it may set.
     free = replace(
