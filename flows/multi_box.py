@@ -47,7 +47,14 @@ from datagen.report import quiet_per_shard_completions, run_name
 from datagen.runspec import ExchangeSpec, MultiBoxSpec, RunSpec
 from datagen.settings import Settings
 from datagen.storage import ObjectStore, s3_preflight
-from flows.expand_dataset import check_environment_task, finish_dataset, load_gate_task, plan_task, publish_task
+from flows.expand_dataset import (
+    check_environment_task,
+    finish_dataset,
+    load_gate_task,
+    memory_plan_task,
+    plan_task,
+    publish_task,
+)
 from tasks import generation, provisioning
 from tasks.planning import ShardPlan
 from tasks.shard_exchange import CheckpointSync, CollectedShard, Lease, ShardExchange, ShardExchangeError
@@ -127,13 +134,17 @@ def generate_on_box(
         return {"box": this_box, "shards": [], "output_tokens": 0}
 
     check_environment_task(settings, spec, store)
+    # Each box plans for its own GPUs (the pilot's measured lengths live on the box that ran it: max_new_tokens here).
+    memory_plan, memory_why = memory_plan_task(settings, spec, None, None)
+    logger.info("box %s memory plan: %s", this_box, memory_why)
+    plan_args = memory_plan.plan_args if memory_plan else []
     layout = RunLayout.for_run(settings.work_dir, spec.namespace)
     layout.root.mkdir(parents=True, exist_ok=True)
     chat = ChatTokenizer.shared(spec.model_path)
     finished: list[generation.ShardResult] = []
     failures: Counter[int] = Counter()
     with (
-        provisioning.provision(settings, spec, layout, provisioning.api_key_for(settings)) as fleet,
+        provisioning.provision(settings, spec, layout, provisioning.api_key_for(settings), plan_args) as fleet,
         Dispatcher(fleet.endpoints, on_server_down=fleet.restart) as dispatcher,
     ):
         dispatcher.wait_ready(settings.server_start_timeout_s)  # every server contacted before shards submit
