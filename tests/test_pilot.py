@@ -266,7 +266,7 @@ def test_projection_of_a_hand_computed_case_at_the_pilots_whole_run_rate(tmp_pat
     assert pr["dataset_bytes_uncompressed"] == 6400 * 5
     # 100 tok/s over 2 servers = 50 per server; 4 servers: 9,500 / 200 = 47.5 s; reusing the pilot 9,100 / 200.
     assert p.throughput["per_server_tokens_per_s"] == 50.0
-    assert (pr["wall_s"], pr["wall_s_fifo"], pr["wall_s_reusing_pilot"]) == (47.5, 47.5, 45.5)
+    assert (pr["wall_s"], pr["wall_s_source"], pr["wall_s_reusing_pilot"]) == (47.5, 47.5, 45.5)
     assert pr["wall_s_saturated_bound"] == 47.5 and pr["tail_s"] == 0.0
     assert pr["gpu_hours"] == pytest.approx(47.5 / 3600 * 4)
 
@@ -281,7 +281,7 @@ def test_projection_of_a_hand_computed_case_with_the_decode_model(tmp_path: Path
     p = project(layout, plan, population, summary, throughput, 1, PilotSpec())
     pr = p.projection
     # Completing prompts of the full set: a 100 x 4/5 = 80 (each sample 20 times: 2,000 tokens), b 50 (7,500).
-    assert pr["wall_s"] == pytest.approx(2.0 + 95.0) and pr["wall_s_fifo"] == pytest.approx(2.0 + 95.0)
+    assert pr["wall_s"] == pytest.approx(2.0 + 95.0) and pr["wall_s_source"] == pytest.approx(2.0 + 95.0)
     # Not sampled yet: a 95 x 4/5 = 76 (19 each: 1,900 tokens), b 48 (24 each: 7,200) -> 91 s.
     assert pr["wall_s_reusing_pilot"] == pytest.approx(2.0 + 91.0)
     assert pr["wall_s_saturated_bound"] == 95.0 and pr["tail_s"] == pytest.approx(2.0)
