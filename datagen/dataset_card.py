@@ -47,6 +47,11 @@ class Lineage(BaseModel):
         None, description="Server-side speculative decoding used while generating (e.g. 'NEXTN'), if any."
     )
     server_args: list[str] = Field(default_factory=list, description="Extra server launch flags.")
+    numerics_flags: list[str] = Field(
+        default_factory=list,
+        description="Launch flags that change or may change outputs (SSM/KV dtype, quantization, speculative).",
+    )
+    memory_plan: list[str] = Field(default_factory=list, description="Tuning flags the engine's memory plan added.")
     run_id: str | None = Field(None, description="Prefect flow run id.")
     created_at: str | None = Field(None, description="ISO timestamp of the run.")
 
@@ -124,6 +129,8 @@ the completion's token ids exactly as the server generated them ({lineage.tokeni
 - input tokens: {sizes.num_input_tokens}, loss tokens: {sizes.num_loss_tokens}, rejects: {sizes.num_rejects}
 - model fingerprint `{lineage.model_fingerprint}`, chat template `{lineage.template_hash}`,
   datagen {lineage.pipeline_version}
+- numerics: {" ".join(lineage.numerics_flags) or "BF16 weights, KV cache and conv state, FP32 SSM state (defaults)"};
+  memory plan flags (no effect on outputs): {" ".join(lineage.memory_plan) or "none"}
 
 | source | rows | share |
 |---|---:|---:|

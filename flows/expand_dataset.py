@@ -8,6 +8,7 @@ references (paths, counts, checksums), never the records themselves.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -34,6 +35,7 @@ from datagen.checks import CheckResult
 from datagen.dataset_card import Lineage, write_dataset_card
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.launcher import ServerFleet
+from datagen.engine.memory_plan import numerics_flags
 from datagen.engine.stats import DispatcherStats
 from datagen.identity import generation_cache_key
 from datagen.layout import RunLayout
@@ -124,6 +126,7 @@ def _generate_shard(
 
 
 check_environment_task = task(name="check environment", cache_policy=NO_CACHE)(_check_environment)
+memory_plan_task = task(name="memory plan", cache_policy=NO_CACHE)(environment.memory_plan_for)
 plan_task = task(name="plan shards", cache_policy=NO_CACHE)(planning.plan_shards)
 start_servers_task = task(name="start servers", cache_policy=NO_CACHE)(_start_servers)
 pending_task = task(name="check checkpoints", cache_policy=NO_CACHE)(_shards_to_generate)
@@ -223,6 +226,7 @@ def finish_dataset(
     shard_results: list[generation.ShardResult],
     run_id: str | None,
     stream: finishing.StreamingFinish | None = None,
+    plan_args: Sequence[str] = (),
 ) -> tokenization.TokenizationSummary:
     """Gate what the stream validated, close tokenization, gate again and write the dataset card.
 
@@ -270,6 +274,8 @@ def finish_dataset(
             source_mix=tokenized.rows_by_source,
             category_mix=tokenized.rows_by_category,
             server_args=spec.server_args,
+            numerics_flags=numerics_flags(spec.server_args),
+            memory_plan=list(plan_args),
             # The first attempt's: a re-run must publish the README.md its interrupted attempt claimed.
             run_id=pinned.run_id,
             created_at=pinned.created_at,
@@ -297,8 +303,12 @@ def _generate(
     stream: finishing.StreamingFinish,
     progress_id: UUID,
     clock: report.StageClock,
+    plan_args: Sequence[str] = (),
 ) -> _Generated:
-    """Every shard generated (validated and tokenized as each is done); servers only when a shard has work left."""
+    """Every shard generated (validated and tokenized as each is done); servers only when a shard has work left.
+
+    `plan_args`: the memory plan's flags the servers start with (`serving` passes them to the fleet).
+    """
     logger = get_run_logger()
     if not any(pending.values()):  # a retry whose shards are all checkpointed loads no model
         logger.info("all %d shards are already generated (checkpoints): no servers started", len(plan.shard_ids))
@@ -306,7 +316,7 @@ def _generate(
         description = f"Generation of {spec.namespace}: all prompts settled before"
         update_progress_artifact(artifact_id=progress_id, progress=100.0, description=description)
         return _Generated(results)
-    with serving(settings, spec, layout, start=start_servers_task) as served:
+    with serving(settings, spec, layout, plan_args=plan_args, start=start_servers_task) as served:
         clock.mark("server start")
         settled_before = plan.n_prompts - sum(pending.values())
         label = f"Generation of {spec.namespace}: "
@@ -387,6 +397,9 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         else set()
     )
     projection = pilot.load_projection(settings.work_dir, spec.pilot) if spec.pilot else None
+    mean_output = float(projection.output_tokens["mean"]) if projection else None
+    memory_plan, memory_why = memory_plan_task(settings, spec, None, mean_output)
+    logger.info("memory plan: %s", memory_why)
     select, selection = ordering.run_filter(
         spec, skip, layout.root / "sort-spill", projection.length_model if projection else None
     )
@@ -445,11 +458,12 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
     )
     pending = pending_task(plan.shard_ids, layout, chat, spec)
     stream = finishing.StreamingFinish(plan.shard_ids, layout, chat, spec)
-    generated = _generate(settings, spec, layout, chat, plan, pending, stream, progress_id, clock)
+    plan_args = memory_plan.plan_args if memory_plan else []
+    generated = _generate(settings, spec, layout, chat, plan, pending, stream, progress_id, clock, plan_args)
     shard_results, final_stats = generated.shard_results, generated.final_stats
     clock.mark("generation")
 
-    tokenized = finish_dataset(spec, layout, chat, plan.n_load_rejects, shard_results, run_id, stream)
+    tokenized = finish_dataset(spec, layout, chat, plan.n_load_rejects, shard_results, run_id, stream, plan_args)
     clock.mark("validation + tokenization")
     lineage = {
         "run_spec": spec.model_dump(mode="json"),
@@ -459,6 +473,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         "engine": settings.engine,
         "engine_version": generated.engine_version,
         "gpu": gpu_description,
+        "memory_plan": memory_plan.lineage() if memory_plan else {"skipped": memory_why},
         "pipeline_version": datagen.__version__,
         "plan_sha256": plan.plan_sha256,
         "rows": tokenized.n_rows,

@@ -51,6 +51,7 @@ from flows.expand_dataset import (
     check_environment_task,
     finish_dataset,
     load_gate_task,
+    memory_plan_task,
     plan_task,
     publish_dataset,
     published_before,
@@ -136,12 +137,16 @@ def generate_on_box(
         return {"box": this_box, "shards": [], "output_tokens": 0}
 
     check_environment_task(settings, spec, store)
+    # Each box plans for its own GPUs (the pilot's measured lengths live on the box that ran it: max_new_tokens here).
+    memory_plan, memory_why = memory_plan_task(settings, spec, None, None)
+    logger.info("box %s memory plan: %s", this_box, memory_why)
+    plan_args = memory_plan.plan_args if memory_plan else []
     layout = RunLayout.for_run(settings.work_dir, spec.namespace)
     layout.root.mkdir(parents=True, exist_ok=True)
     chat = ChatTokenizer.shared(spec.model_path)
     finished: list[generation.ShardResult] = []
     failures: Counter[int] = Counter()
-    with serving(settings, spec, layout) as served:
+    with serving(settings, spec, layout, plan_args=plan_args) as served:
         dispatcher, fleet = served.dispatcher, served.fleet
         logger.info("box %s: %d servers up, owner token %s", this_box, len(fleet), sx.owner)
         inflight: dict[PrefectFuture[generation.ShardResult], int] = {}

@@ -25,7 +25,13 @@ from datagen.repetition import word_tokens
 from datagen.runspec import AUTO_NAMESPACE, RunSpec
 from datagen.settings import Settings
 from datagen.storage import ObjectStore
-from flows.expand_dataset import SHARDS_IN_FLIGHT, check_environment_task, generate_shard_task, validate_task
+from flows.expand_dataset import (
+    SHARDS_IN_FLIGHT,
+    check_environment_task,
+    generate_shard_task,
+    memory_plan_task,
+    validate_task,
+)
 from tasks import generation, pilot
 from tasks.serving import serving
 
@@ -63,9 +69,13 @@ def pilot_flow(spec: RunSpec = RunSpec(), pilot_spec: pilot.PilotSpec = pilot.Pi
         raise ValueError("the pilot found no prompts to sample (all published already, or targets of 0)")
     chat = ChatTokenizer.shared(spec.model_path)
 
+    # Before any output is measured the plan assumes max_new_tokens/2 of output; the main run's plan below
+    # uses the pilot's measured mean.
+    pilot_plan, plan_why = memory_plan_task(settings, spec, None, None)
+    logger.info("memory plan: %s", plan_why)
     results: list[generation.ShardResult] = []
     with (
-        serving(settings, spec, layout) as served,
+        serving(settings, spec, layout, plan_args=pilot_plan.plan_args if pilot_plan else ()) as served,
         pilot.ThroughputProbe(served.dispatcher, served.fleet.endpoints) as probe,
     ):
         futures = [
@@ -87,6 +97,8 @@ def pilot_flow(spec: RunSpec = RunSpec(), pilot_spec: pilot.PilotSpec = pilot.Pi
     )
     servers = pilot_spec.project_servers or settings.num_servers
     projection = project_task(layout, plan, population, summary, throughput, servers, pilot_spec)
+    main_plan, main_why = memory_plan_task(settings, spec, None, float(projection.output_tokens["mean"]))
+    projection.engine = pilot.engine_section(pilot_plan, main_plan, main_why)
     path = pilot.write_projection(layout, projection)
     create_markdown_artifact(
         markdown=pilot.render_projection(projection), key="pilot-projection", description="Pilot projection"

@@ -6,22 +6,38 @@ then S3 (supplied by the caller). A check that crashes becomes a failed row, so 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from datagen.checks import CheckResult
 from datagen.checks.gpu import GpuProbeError, gpu_checks, run_probe
 from datagen.checks.model_dir import check_free_ram, check_free_space, model_dir_checks
 from datagen.checks.server_flags import SERVER_FLAG_CHECK_NAMES, server_flag_checks
+from datagen.engine.memory_plan import (
+    EngineFlags,
+    GpuMemory,
+    MemoryPlan,
+    ModelShape,
+    card_bandwidth,
+    expected_context,
+    is_hybrid_gdn,
+    plan_memory,
+    weights_bytes,
+)
 from datagen.runspec import RunSpec
 from datagen.settings import Settings
+from datagen.standin.knobs import Knobs
 
 __all__ = [
     "GPU_CHECK_NAMES",
+    "MEMORY_PLAN_CHECK",
     "MIN_RAM_PER_SERVER_BYTES",
     "MIN_SHM_FREE_BYTES",
     "MIN_WORK_DIR_FREE_BYTES",
     "format_report",
+    "memory_plan_for",
     "report_rows",
     "run_checks",
 ]
@@ -45,6 +61,12 @@ GPU_CHECK_NAMES = (
 )
 
 
+MEMORY_PLAN_CHECK = "engine.memory_plan"
+# Mean prompt tokens assumed before the prompts are rendered (chat template + a typical instruction prompt);
+# the output side, which dominates a thinking model's context, comes from the pilot or max_new_tokens.
+PROMPT_TOKENS_ESTIMATE = 512
+
+
 def _guarded(name: str, fn: Callable[[], list[CheckResult]]) -> list[CheckResult]:
     try:
         return fn()
@@ -52,7 +74,7 @@ def _guarded(name: str, fn: Callable[[], list[CheckResult]]) -> list[CheckResult
         return [CheckResult(name, "fail", f"check crashed: {type(exc).__name__}: {exc}")]
 
 
-def _gpu(settings: Settings) -> list[CheckResult]:
+def _gpu_and_probe(settings: Settings) -> tuple[list[CheckResult], dict[str, Any] | None]:
     why = None
     if settings.skip_gpu_checks:
         why = "DATAGEN_SKIP_GPU_CHECKS=true"
@@ -61,12 +83,65 @@ def _gpu(settings: Settings) -> list[CheckResult]:
     elif settings.engine == "standin":
         why = "engine is the CPU stand-in"
     if why is not None:
-        return [CheckResult(n, "skipped", why) for n in GPU_CHECK_NAMES]
+        return [CheckResult(n, "skipped", why) for n in GPU_CHECK_NAMES], None
     try:
         probe = run_probe(settings.engine_python)
     except GpuProbeError as exc:
-        return [CheckResult("gpu.probe", "fail", str(exc))]
-    return gpu_checks(probe, expected_devices=settings.num_servers, allowed=settings.allowed_compute_capabilities)
+        return [CheckResult("gpu.probe", "fail", str(exc))], None
+    checks = gpu_checks(probe, expected_devices=settings.num_servers, allowed=settings.allowed_compute_capabilities)
+    return checks, probe
+
+
+def _planned_gpu(settings: Settings, probe: dict[str, Any] | None, model_dir: Path) -> GpuMemory | str:
+    """The GPU each server gets (the smallest free one of the probe, or the stand-in's emulated card), or why none."""
+    if settings.server_urls:
+        return "attach mode: the servers were launched elsewhere"
+    if settings.engine == "standin":
+        knobs = Knobs.from_env()
+        if knobs.gpu_memory_bytes is None:
+            return "the stand-in emulates no GPU memory (DATAGEN_STANDIN_GPU_MEMORY_BYTES unset)"
+        return GpuMemory(
+            knobs.gpu_memory_bytes, knobs.gpu_memory_bytes, knobs.weights_bytes, card_bandwidth("RTX PRO 6000")
+        )
+    devices = [d for d in (probe or {}).get("devices", []) if isinstance(d.get("total_memory_bytes"), int)]
+    if not devices:
+        return "no GPU probe (GPU checks skipped or failed)"
+    weights = weights_bytes(model_dir)
+    if weights is None:
+        return f"{model_dir}: no safetensors weights to size"
+    gpu = min(devices, key=lambda d: d.get("free_memory_bytes") or d["total_memory_bytes"])
+    free = gpu.get("free_memory_bytes") or gpu["total_memory_bytes"]
+    return GpuMemory(gpu["total_memory_bytes"], free, weights, card_bandwidth(str(gpu.get("name", ""))))
+
+
+def memory_plan_for(
+    settings: Settings, spec: RunSpec, probe: dict[str, Any] | None = None, mean_output_tokens: float | None = None
+) -> tuple[MemoryPlan | None, str]:
+    """This run's memory plan (None with the reason when there is nothing to plan); probes the GPUs if needed."""
+    model_dir = Path(spec.model_path)
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    if not is_hybrid_gdn(config):
+        return None, "not a hybrid GDN model: SGLang's defaults"
+    if EngineFlags.from_args(spec.server_args).speculative_algorithm:
+        # Speculative decoding reserves draft state in the pools, which the plan does not model.
+        return None, "speculative decoding chosen in server_args: no plan, the spec's flags as given"
+    if probe is None and settings.engine == "sglang" and not settings.server_urls and not settings.skip_gpu_checks:
+        probe = run_probe(settings.engine_python)
+    gpu = _planned_gpu(settings, probe, model_dir)
+    if isinstance(gpu, str):
+        return None, gpu
+    context, source = expected_context(PROMPT_TOKENS_ESTIMATE, mean_output_tokens, spec.sampling.max_new_tokens)
+    plan = plan_memory(
+        ModelShape.from_config(config), gpu, context, context_source=source, server_args=spec.server_args
+    )
+    return plan, plan.summary()
+
+
+def _memory_plan(settings: Settings, spec: RunSpec, probe: dict[str, Any] | None) -> list[CheckResult]:
+    plan, why = memory_plan_for(settings, spec, probe or {})
+    if plan is None:
+        return [CheckResult(MEMORY_PLAN_CHECK, "skipped", why)]
+    return [CheckResult(MEMORY_PLAN_CHECK, "pass", f"{why} ({'; '.join(plan.reasons)})")]
 
 
 def _model_and_host(settings: Settings, spec: RunSpec) -> list[CheckResult]:
@@ -99,9 +174,16 @@ def run_checks(
     settings: Settings, spec: RunSpec, s3_check: Callable[[], list[CheckResult]] | None = None
 ) -> list[CheckResult]:
     """Run every environment check for this run on this box; never raises for a failed check."""
-    results = _guarded("gpu.probe", lambda: _gpu(settings))
+    probed: list[dict[str, Any] | None] = [None]
+
+    def gpu() -> list[CheckResult]:
+        checks, probed[0] = _gpu_and_probe(settings)
+        return checks
+
+    results = _guarded("gpu.probe", gpu)
     results += _guarded("model_dir", lambda: _model_and_host(settings, spec))
     results += _guarded("engine.server_flags", lambda: _flags(settings, spec))
+    results += _guarded(MEMORY_PLAN_CHECK, lambda: _memory_plan(settings, spec, probed[0]))
     if s3_check is None:
         results.append(CheckResult("s3", "skipped", "no S3 check supplied"))
     else:

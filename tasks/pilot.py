@@ -32,6 +32,7 @@ from datagen.chat import ChatTokenizer
 from datagen.checkpoint import CheckpointLine, append_lines, read_lines, read_rows, settled_keys
 from datagen.endpoints import ServerEndpoint
 from datagen.engine.dispatcher import Dispatcher
+from datagen.engine.memory_plan import MemoryPlan
 from datagen.identity import PromptIdentity, RequestKeys
 from datagen.layout import RunLayout
 from datagen.prompts import iter_prompts
@@ -495,6 +496,9 @@ class Projection(BaseModel):
     throughput: dict[str, Any]
     projection: dict[str, Any]
     length_model: LengthModel
+    engine: dict[str, Any] = Field(
+        default_factory=dict, description="The memory plans (pilot's servers, main run) and the decode roofline."
+    )
 
 
 def project(
@@ -638,6 +642,22 @@ def project(
     )
 
 
+def engine_section(pilot_plan: MemoryPlan | None, main_plan: MemoryPlan | None, why: str) -> dict[str, Any]:
+    """What the pilot's servers ran with and the plan for the main run at the measured context, with its roofline."""
+    if main_plan is None:
+        return {"skipped": why}
+    launched = main_plan.launched or main_plan.planned.sizing
+    return {
+        "pilot_plan_args": pilot_plan.plan_args if pilot_plan else [],
+        "pilot_running_requests": (
+            pilot_plan.launched.concurrency(pilot_plan.context_tokens) if pilot_plan and pilot_plan.launched else None
+        ),
+        "main_plan": main_plan.lineage(),
+        "main_running_requests": launched.concurrency(main_plan.context_tokens),
+        "roofline_tokens_per_s": round(main_plan.roofline_tokens_per_s, 1) if main_plan.roofline_tokens_per_s else None,
+    }
+
+
 def render_projection(p: Projection) -> str:
     """The pilot report as markdown (the Prefect artifact and pilot.md)."""
     pr, ot, th = p.projection, p.output_tokens, p.throughput
@@ -652,6 +672,7 @@ def render_projection(p: Projection) -> str:
         f"| output tokens per completion: mean / p50 / p90 / p99 | "
         f"{ot['mean']:,} / {ot['p50']:,} / {ot['p90']:,} / {ot['p99']:,} |",
         f"| throughput per server (measured, {th['method']}) | {th['per_server_tokens_per_s']:,} tok/s |",
+        *_engine_rows(p.engine),
         f"| wall time (long-first dispatch) | {pr['wall_h']:,.3f} h ({pr['wall_s']:,} s) |",
         f"| of which beyond the saturated rate (ramp, drain) | {pr.get('tail_s', 0.0):,} s |",
         # "wall_s_fifo": the key before the order was named as RunSpec.order names it (pilots written then).
@@ -671,6 +692,23 @@ def render_projection(p: Projection) -> str:
             f"| {s['p99']:,} | {s['reject_rate']:.1%} | {s['projected_tokens']:,} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _engine_rows(engine: dict[str, Any]) -> list[str]:
+    """Pilot report rows: the plan's running requests and its memory-bandwidth roofline beside the measurement."""
+    if not engine or "main_plan" not in engine:
+        return [f"| memory plan | {engine.get('skipped', 'not computed')} |"] if engine else []
+    plan = engine["main_plan"]
+    roofline = engine["roofline_tokens_per_s"]
+    return [
+        f"| pilot servers' flags (plan before measuring) | {' '.join(engine['pilot_plan_args']) or 'SGLang defaults'} "
+        f"({engine['pilot_running_requests']} running per GPU) |",
+        f"| main run's plan at {plan['context_tokens']:,} tokens of context | {' '.join(plan['plan_args']) or '-'} "
+        f"({engine['main_running_requests']} running per GPU; SGLang defaults: "
+        f"{plan['default_running_requests_per_gpu']}) |",
+        f"| expected output tok/s per GPU (memory-bandwidth roofline at that batch) | "
+        f"{f'{roofline:,.0f}' if roofline else 'unknown card bandwidth'} |",
+    ]
 
 
 def load_projection(work_dir: Path, pilot_name: str) -> Projection:

@@ -11,6 +11,7 @@ killed outright (SIGKILL, OOM killer), `stop_leftover_servers` at the start of t
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 
 from pydantic import SecretStr
 
@@ -41,9 +42,14 @@ def new_api_key() -> SecretStr:
     return SecretStr("k" + secrets.token_urlsafe(24))
 
 
-def provision(settings: Settings, spec: RunSpec, layout: RunLayout, api_key: SecretStr) -> ServerFleet:
-    """A fleet to use as a context manager: servers start (or are health-checked) on entry, stop on exit."""
-    return ServerFleet(settings, spec, layout, api_key)
+def provision(
+    settings: Settings, spec: RunSpec, layout: RunLayout, api_key: SecretStr, plan_args: Sequence[str] = ()
+) -> ServerFleet:
+    """A fleet to use as a context manager: servers start (or are health-checked) on entry, stop on exit.
+
+    `plan_args`: the memory plan's flags (`tasks.environment.memory_plan_for`), added before the spec's own.
+    """
+    return ServerFleet(settings, spec, layout, api_key, plan_args=plan_args)
 
 
 def stop_leftover_servers(settings: Settings) -> list[str]:

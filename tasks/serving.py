@@ -1,17 +1,19 @@
 """One place that serves: start (or attach) the fleet, build the dispatcher with restarts wired, stop both.
 
-    with serving(settings, spec, layout) as served:
+    with serving(settings, spec, layout, plan_args=memory_plan.plan_args) as served:
         served.dispatcher.submit(job)     # every server was contacted once before the block starts
         served.fleet.engine_version
 
 `expand-dataset`, `pilot` and `generate-on-box` all serve through it: a server the dispatcher marks down
 (refused, dropped, hung) is restarted by the fleet (attach mode: waited for), and the dispatcher and then the
-servers stop when the block ends, however it ends.
+servers stop when the block ends, however it ends. Each flow computes its memory plan
+(`tasks.environment.memory_plan_for`, recorded in its lineage or report) and hands the plan's flags here, so
+every server of every flow, restarts included, starts with them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -39,14 +41,16 @@ def serving(
     spec: RunSpec,
     layout: RunLayout,
     *,
+    plan_args: Sequence[str] = (),
     start: Callable[[ServerFleet], object] = ServerFleet.start,
 ) -> Iterator[Serving]:
     """Servers up (started or attached), a dispatcher over them with `on_server_down=fleet.restart`, then stopped.
 
-    `start` starts the fleet; a flow passes its named task there, so a server that fails to start shows as a
-    red task with its log lines.
+    `plan_args`: the memory plan's flags, before the spec's own `server_args` on every launched server (attach
+    mode launches nothing). `start` starts the fleet; a flow passes its named task there, so a server that fails
+    to start shows as a red task with its log lines.
     """
-    fleet = provisioning.provision(settings, spec, layout, provisioning.api_key_for(settings))
+    fleet = provisioning.provision(settings, spec, layout, provisioning.api_key_for(settings), plan_args)
     try:
         start(fleet)
         with Dispatcher(

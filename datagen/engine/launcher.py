@@ -138,10 +138,21 @@ def write_key_config(path: Path, api_key: SecretStr) -> Path:
 
 
 def launch_flags(
-    settings: Settings, spec: RunSpec, port: int, key_config: Path, nccl_port: int | None = None
+    settings: Settings,
+    spec: RunSpec,
+    port: int,
+    key_config: Path,
+    nccl_port: int | None = None,
+    plan_args: Sequence[str] = (),
 ) -> list[str]:
-    """Every launch flag of one server; the key comes from `key_config` (write_key_config), never the argv."""
-    check_server_args(spec.server_args)  # again here: a RunSpec built without validation must not get through
+    """Every launch flag of one server; the key comes from `key_config` (write_key_config), never the argv.
+
+    `plan_args`: the memory plan's tuning flags (`memory_plan.MemoryPlan.plan_args`, which never repeats a flag
+    the run spec sets); they come before `spec.server_args`, so the spec's own flags win. Both pass the same
+    tuning allow-list.
+    """
+    # Again here: a RunSpec built without validation must not get through, nor a plan that names a managed flag.
+    check_server_args([*plan_args, *spec.server_args])
     flags = [
         "--model-path",
         spec.model_path,
@@ -168,14 +179,20 @@ def launch_flags(
     if nccl_port is not None:
         # Servers started together otherwise each pick "a free port" and can pick the same one.
         flags += ["--nccl-port", str(nccl_port)]
-    return [*flags, *arch_args(settings.allowed_compute_capabilities, spec.server_args), *spec.server_args]
+    arch = arch_args(settings.allowed_compute_capabilities, spec.server_args)
+    return [*flags, *arch, *plan_args, *spec.server_args]
 
 
 def server_command(
-    settings: Settings, spec: RunSpec, index: int, key_config: Path, nccl_port: int | None = None
+    settings: Settings,
+    spec: RunSpec,
+    index: int,
+    key_config: Path,
+    nccl_port: int | None = None,
+    plan_args: Sequence[str] = (),
 ) -> list[str]:
     """The full argv of server `index` (listening on base_port + index)."""
-    flags = launch_flags(settings, spec, settings.base_port + index, key_config, nccl_port)
+    flags = launch_flags(settings, spec, settings.base_port + index, key_config, nccl_port, plan_args)
     return [*engine_command(settings), *flags]
 
 
@@ -535,6 +552,7 @@ class ServerFleet(Sequence[ServerEndpoint]):
         *,
         stop_grace_s: float = STOP_GRACE_S,
         attach_timeout_s: float = ATTACH_HEALTH_TIMEOUT_S,
+        plan_args: Sequence[str] = (),
     ) -> None:
         # Base port 0: the fleet picks free ports itself, and picks again at start() if one was taken since.
         self._auto_ports = settings.base_port == 0 and not settings.server_urls
@@ -546,6 +564,7 @@ class ServerFleet(Sequence[ServerEndpoint]):
         self._api_key = api_key
         self.stop_grace_s = stop_grace_s
         self.attach_timeout_s = attach_timeout_s
+        self.plan_args = list(plan_args)
         self.attached = bool(settings.server_urls)
         self.engine_version: str | None = None
         self._servers: list[_Server] = []
@@ -578,7 +597,7 @@ class ServerFleet(Sequence[ServerEndpoint]):
                 name=f"gpu{i}",
                 url=_url(settings.server_host, settings.base_port + i),
                 index=i,
-                argv=server_command(settings, self.spec, i, self._key_config, nccl_ports[i]),
+                argv=server_command(settings, self.spec, i, self._key_config, nccl_ports[i], self.plan_args),
                 env=server_env(i),
                 log_path=self.layout.logs_dir / f"server-{i}.log",
             )

@@ -22,6 +22,13 @@ Environment knobs (all optional; defaults keep tests fast):
     DATAGEN_STANDIN_MAX_RUNNING         running-request limit when --max-running-requests is absent (64;
                                         48 with --speculative-algorithm EAGLE/NEXTN, as SGLang)
     DATAGEN_STANDIN_MAX_TOTAL_TOKENS    KV capacity reported as max_total_num_tokens (1048576)
+    DATAGEN_STANDIN_GPU_MEMORY_BYTES    emulate a GPU of this size (unset: no sizing). For a hybrid GDN model
+                                        (Qwen3.5/3.6) the running-request cap and the KV capacity are then what
+                                        SGLang 0.5.23's pool sizing gives for the server's flags
+                                        (`datagen.engine.memory_plan.sglang_sizing`, judged against the real
+                                        code in tests/conformance/test_memory_plan_conformance.py) instead
+                                        of MAX_RUNNING / MAX_TOTAL_TOKENS
+    DATAGEN_STANDIN_WEIGHTS_BYTES       weights loaded on that GPU (54714000000: Qwen3.6-27B BF16, estimate)
     DATAGEN_STANDIN_STEP_BASE_MS        fixed cost of one single-token decode step, ms (0)
     DATAGEN_STANDIN_STEP_PER_REQ_MS     extra cost per running request per single-token step, ms (0)
     DATAGEN_STANDIN_TIME_SCALE          multiplies all step times (1.0)

@@ -30,6 +30,8 @@ class Knobs:
     reasoning_fraction: float = 0.7
     max_running: int = 64
     max_total_tokens: int = 1_048_576
+    gpu_memory_bytes: int | None = None
+    weights_bytes: int = 54_714_000_000
     step_base_ms: float = 0.0
     step_per_req_ms: float = 0.0
     time_scale: float = 1.0
@@ -75,6 +77,8 @@ class Knobs:
             reasoning_fraction=num("REASONING_FRACTION", float, d.reasoning_fraction, 0),
             max_running=num("MAX_RUNNING", int, d.max_running, 1),
             max_total_tokens=num("MAX_TOTAL_TOKENS", int, d.max_total_tokens, 16),
+            gpu_memory_bytes=opt_int("GPU_MEMORY_BYTES"),
+            weights_bytes=num("WEIGHTS_BYTES", int, d.weights_bytes, 0),
             step_base_ms=num("STEP_BASE_MS", float, d.step_base_ms, 0),
             step_per_req_ms=num("STEP_PER_REQ_MS", float, d.step_per_req_ms, 0),
             time_scale=num("TIME_SCALE", float, d.time_scale, 0),

@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+from datagen.engine.memory_plan import EngineFlags, GpuMemory, ModelShape, Sizing, is_hybrid_gdn, sglang_sizing
 from datagen.standin.knobs import KnobError, Knobs
 
 __all__ = ["check_gpu_arch", "resolve_args", "serve"]
@@ -80,7 +81,10 @@ def resolve_args(args: argparse.Namespace, config: dict[str, Any], knobs: Knobs,
     resolved = {k: v for k, v in vars(args).items() if k != "config"}
     context = args.context_length or int(config.get("max_position_embeddings") or 262144)
     spec = "EAGLE" if args.speculative_algorithm == "NEXTN" else args.speculative_algorithm
-    if args.max_running_requests is not None:
+    sizing = _emulated_sizing(args, config, knobs) if spec is None else None
+    if sizing is not None:
+        max_running = sizing.max_running_requests
+    elif args.max_running_requests is not None:
         max_running = args.max_running_requests
     elif spec in ("EAGLE", "EAGLE3"):
         max_running = 48  # speculative_hook._handle_eagle_family forces 48 when the flag is absent
@@ -101,7 +105,13 @@ def resolve_args(args: argparse.Namespace, config: dict[str, Any], knobs: Knobs,
         decode_attention_backend=args.decode_attention_backend or attention,
         sampling_backend=args.sampling_backend or "flashinfer",
         chunked_prefill_size=args.chunked_prefill_size if args.chunked_prefill_size is not None else 8192,
-        mem_fraction_static=args.mem_fraction_static if args.mem_fraction_static is not None else 0.85,
+        mem_fraction_static=(
+            sizing.mem_fraction_static
+            if sizing is not None
+            else args.mem_fraction_static
+            if args.mem_fraction_static is not None
+            else 0.85
+        ),
         speculative_algorithm=spec,
         mamba_radix_cache_strategy=strategy,
         log_level_http=args.log_level_http or args.log_level,
@@ -110,6 +120,25 @@ def resolve_args(args: argparse.Namespace, config: dict[str, Any], knobs: Knobs,
     if spec is not None and args.speculative_num_steps is None:
         resolved.update(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
     return resolved
+
+
+def _emulated_sizing(args: argparse.Namespace, config: dict[str, Any], knobs: Knobs) -> Sizing | None:
+    """SGLang 0.5.23's pools and running-request cap for these flags on the emulated GPU (None: not emulated)."""
+    if knobs.gpu_memory_bytes is None or not is_hybrid_gdn(config):
+        return None
+    flags = EngineFlags(
+        disable_radix_cache=args.disable_radix_cache,
+        mamba_radix_cache_strategy=args.mamba_radix_cache_strategy,
+        disable_overlap_schedule=args.disable_overlap_schedule,
+        mamba_full_memory_ratio=args.mamba_full_memory_ratio,
+        max_mamba_cache_size=args.max_mamba_cache_size,
+        max_running_requests=args.max_running_requests,
+        mem_fraction_static=args.mem_fraction_static,
+        cuda_graph_max_bs_decode=args.cuda_graph_max_bs_decode,
+        chunked_prefill_size=args.chunked_prefill_size,
+    )
+    gpu = GpuMemory(knobs.gpu_memory_bytes, knobs.gpu_memory_bytes, knobs.weights_bytes)
+    return sglang_sizing(ModelShape.from_config(config, mamba_ssm_dtype=args.mamba_ssm_dtype), gpu, flags)
 
 
 def _read_config(model_path: Path) -> dict[str, Any]:
@@ -191,7 +220,8 @@ async def _serve_http(
 
     per_dp = int(resolved["max_running_requests"])
     context = int(resolved["context_length"])
-    max_total = knobs.max_total_tokens
+    sizing = _emulated_sizing(args, config, knobs) if resolved["speculative_algorithm"] is None else None
+    max_total = sizing.max_total_num_tokens if sizing is not None else knobs.max_total_tokens
     scheduler = Scheduler(
         knobs, max_running=per_dp * args.dp_size, max_queued=args.max_queued_requests, max_total_tokens=max_total
     )
@@ -209,6 +239,17 @@ async def _serve_http(
         max_running_per_dp=per_dp,
     )
     state.fault_rng.seed(knobs.seed)
+    if sizing is not None:
+        # memory_pool.py's line (sizes not modelled), then resolve_max_num_reqs' warning when the state pool binds.
+        logger.info("Mamba Cache is allocated. max_mamba_cache_size: %d", sizing.max_mamba_cache_size)
+        if sizing.capped_by_state_pool:
+            logger.warning(
+                "max_running_requests is capped to %d by the mamba state cache (max_mamba_cache_size=%d, %d state "
+                "slots per request).",
+                sizing.max_running_requests,
+                sizing.max_mamba_cache_size,
+                sizing.slots_per_request,
+            )
     logger.info("KV Cache is allocated. #tokens: %d, K size: 10.70 GB, V size: 10.70 GB", max_total)
     logger.info(
         "max_total_num_tokens=%d, chunked_prefill_size=%s, max_running_requests=%d, context_len=%d, "

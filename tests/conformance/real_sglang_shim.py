@@ -7,7 +7,7 @@ at import time work. Placeholders are falsy and compute nothing: the tier only r
 resolves settings and validates requests, and every test asserts on what that real code returned.
 `torch.version` reports a CUDA 13 build and importlib.metadata the versions sglang pins (transformers asks
 before it imports torch). `torch.cuda` reports no GPU, or with CONFORMANCE_GPU=sm120 one RTX PRO 6000
-(SM 12.0, ~91 GiB), which is what each of the box's servers sees, so settings resolution runs in full.
+(SM 12.0, 97,887 MiB), which is what each of the box's servers sees, so settings resolution runs in full.
 
 Run as a script it executes Python code read from stdin with sglang importable, and prints what the code
 stores in the global `RESULT` as one JSON line after the marker `CONFORMANCE-RESULT:`. With `--script`
@@ -235,7 +235,10 @@ class _Cuda(types.ModuleType):
         return _placeholder(f"torch.cuda.{attr}")
 
 
-_GPU_BYTES = 97_887_535_104  # what an RTX PRO 6000 Blackwell reports (~91.2 GiB)
+# What an RTX PRO 6000 Blackwell reports: 97,887 MiB (nvidia-smi's memory.total, ~95.6 GiB; the GPU probe
+# fixture tests/fixtures/gpu_probe_8x_sm120.json says the same). An earlier value, 97_887_535_104, read the MiB
+# figure as bytes x 1e6 and emulated a card 4.4 GiB too small.
+_GPU_BYTES = 97_887 * 2**20
 
 # Attributes whose value real code uses as a plain Python value at import time.
 _OVERRIDES: dict[str, Any] = {"torch.library.Library": _Library, "torch.version": _VERSION}

@@ -2,7 +2,7 @@
 settings resolution, against the fixture's config.json; and `datagen check` running that same real code.
 
 Resolution runs in full (`ServerArgs.resolve_once`, as `sglang.launch_server` calls it) with the stubbed
-`torch.cuda` reporting one RTX PRO 6000 (SM 12.0, ~91 GiB), which is what each server sees.
+`torch.cuda` reporting one RTX PRO 6000 (SM 12.0, 97,887 MiB), which is what each server sees.
 """
 
 from __future__ import annotations

@@ -107,6 +107,8 @@ def test_flow_publishes_token_exact_dataset_and_never_overwrites(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # The stand-ins emulate one RTX PRO 6000 each with Qwen3.6-27B's weights: the run's memory plan applies.
+    monkeypatch.setenv("DATAGEN_STANDIN_GPU_MEMORY_BYTES", str(97_887 * 2**20))
     spec = _spec(prompt_file, model_dir, "e2e_v1")
     report = expand_dataset(spec)
 
@@ -117,6 +119,11 @@ def test_flow_publishes_token_exact_dataset_and_never_overwrites(
     md = store.get_bytes("e2e_v1/validation-report.md").decode()  # each reason's share and examples
     assert "**PASSED**: quality gate" in md and "| reason | count | share of completions | examples |" in md
     manifest = json.loads(store.get_bytes("e2e_v1/manifest.json"))
+    memory = manifest["lineage"]["memory_plan"]
+    assert "--disable-radix-cache" in memory["plan_args"] and memory["numerics_flags"] == []
+    assert memory["running_requests_per_gpu"] > memory["default_running_requests_per_gpu"]
+    card = store.get_bytes("e2e_v1/README.md").decode()
+    assert f"memory plan flags (no effect on outputs): {' '.join(memory['plan_args'])}" in card
     listed = [o["key"] for o in manifest["objects"]]
     assert len(listed) == len(set(listed)) == len(keys) - 1  # every object but the manifest, exactly once
 

@@ -85,6 +85,11 @@ def test_pilot_projects_the_full_set_and_the_main_run_reuses_its_completions(
     pilot_root = RunLayout.for_run(tmp_path / "work", "p1").root
     assert json.loads((pilot_root / PILOT_JSON).read_text())["projection"] == projection
     assert "GPU-hours" in (pilot_root / PILOT_MARKDOWN).read_text()
+    # No GPU emulated here: the report says why there is no memory plan (tests/e2e/test_memory_plan.py shows one).
+    assert result["engine"] == {
+        "skipped": "the stand-in emulates no GPU memory (DATAGEN_STANDIN_GPU_MEMORY_BYTES unset)"
+    }
+    assert "| memory plan | the stand-in emulates no GPU memory" in (pilot_root / PILOT_MARKDOWN).read_text()
 
     # The main run: every pilot completion lands, byte for byte, in the main run's checkpoints (not regenerated),
     # and dispatch is longest-expected first.

@@ -53,8 +53,9 @@ def test_a_run_renders_prompt_ids_as_the_old_code_did_and_request_keys_follow() 
     spec = RunSpec(model_path=str(ensure_model_dir()))
     identity = PromptIdentity.for_spec(spec)
     prompt_id, ids = identity("src/a", MESSAGES)
-    # The fixture model's template and tokenizer at FIXTURE_VERSION of that commit.
-    assert identity.preparer.chat.fingerprint == "bf0fe9f17be426b9"
+    # The fixture model's template and tokenizer as at that commit; the fingerprint also covers config.json,
+    # which FIXTURE_VERSION 4 (issue 22: Qwen3.6-27B's layer and head numbers) changed: "bf0fe9f17be426b9" before.
+    assert identity.preparer.chat.fingerprint == "7e32886ddcb3c8eb"
     assert prompt_id == "710efd17f474af9da7168ba2"
     assert list(ids) == identity.preparer.chat.prompt_ids(MESSAGES)
     chat = identity.preparer.chat

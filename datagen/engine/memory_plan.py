@@ -1,0 +1,696 @@
+"""The engine's memory plan: how many requests each SGLang 0.5.23 server can run at once, and the flags for it.
+
+A hybrid model (Qwen3.6: Gated-DeltaNet layers with a fixed-size recurrent state per request, plus full-attention
+layers with a KV cache) splits the memory left after the weights into a state pool and a KV pool. SGLang caps
+the running requests at `state slots // slots per request`, and the KV pool caps how many requests of the run's
+context length fit at once; decode is memory-bound, so output tokens/s grow with that number. SGLang's defaults
+are made for online serving with prefix reuse (radix cache on: 5 state slots per request, pools split 0.9:1).
+The plan picks, from the run's expected context, the candidate with the most requests that fit at once.
+
+`sglang_sizing` is SGLang 0.5.23's own pool sizing for a hybrid GDN model on one GPU (tp 1, page size 1, no
+speculative decoding), written out from `mem_cache/kv_cache_configurator.py` (`_profile_available_bytes`,
+`_handle_max_mamba_cache`, `_calculate_mamba_ratio`, `resolve_max_num_reqs`), `model_executor/pool_configurator.py`
+(`DefaultPoolConfigurator`) and `arg_groups/memory_hook.py` (`handle_gpu_memory_settings`). The conformance tier
+(`tests/conformance/test_memory_plan_conformance.py`) runs those real functions on the same inputs and requires
+the same numbers, so this file cannot drift from the code that decides on the box.
+
+The plan never changes numerics: `--mamba-ssm-dtype`, fp8 KV cache, quantized weights and speculative decoding
+are only ever the run spec's explicit choice, which the plan sizes with and records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, NoReturn
+
+__all__ = [
+    "CUDA_CONTEXT_BYTES",
+    "NUMERICS_FLAGS",
+    "PLAN_FLAGS",
+    "Candidate",
+    "EngineFlags",
+    "GpuMemory",
+    "MemoryPlan",
+    "ModelShape",
+    "PrefixReuse",
+    "Sizing",
+    "card_bandwidth",
+    "choose_prefix_reuse",
+    "decode_roofline",
+    "expected_context",
+    "is_hybrid_gdn",
+    "numerics_flags",
+    "plan_memory",
+    "sglang_mem_fraction_static",
+    "sglang_sizing",
+    "weights_bytes",
+]
+
+_GIB = 1 << 30
+_MIB = 1 << 20
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# What a server's CUDA context and torch take before SGLang measures free memory (`pre_model_load_memory`);
+# an estimate (0.5 GiB), the same the conformance tier's emulated GPU reports.
+CUDA_CONTEXT_BYTES = 512 * _MIB
+# SGLANG_VLM_CACHE_SIZE_MB (100): reserved out of the pools for multimodal models (`mm_runtime_reservation_gb`).
+_VLM_CACHE_BYTES = 100 * _MIB
+# MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO, and the extra_buffer tracking slots with/without overlap.
+_MAMBA_BASE_SLOTS = 3
+_DEFAULT_MAMBA_FULL_MEMORY_RATIO = 0.9
+
+# Flags the plan may choose (tuning only: they change how memory is split, never what the model computes).
+PLAN_FLAGS = (
+    "--disable-radix-cache",
+    "--max-running-requests",
+    "--mamba-full-memory-ratio",
+    "--max-mamba-cache-size",
+    "--mem-fraction-static",
+    "--cuda-graph-max-bs-decode",
+)
+# Flags that change or may change the outputs: never chosen by the plan, recorded when the spec sets them.
+NUMERICS_FLAGS = (
+    "--mamba-ssm-dtype",
+    "--kv-cache-dtype",
+    "--quantization",
+    "--dtype",
+    "--speculative-algorithm",
+)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What sizing reads from config.json: layers, KV heads and head size, GDN state shapes and dtypes."""
+
+    context_length: int
+    full_attention_layers: int
+    linear_layers: int
+    kv_heads: int
+    head_dim: int
+    kv_dtype_bytes: int
+    conv_dim: int
+    conv_window: int
+    conv_dtype_bytes: int
+    ssm_heads: int
+    ssm_head_dim: int
+    ssm_state_size: int
+    ssm_dtype_bytes: int
+    vision_hidden_size: int | None
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every full-attention layer for one token (`DefaultPoolConfigurator` cell size)."""
+        return self.full_attention_layers * self.kv_heads * self.head_dim * 2 * self.kv_dtype_bytes
+
+    @property
+    def state_bytes_per_slot(self) -> int:
+        """One request's recurrent state over every GDN layer (`mamba_cache_per_req`)."""
+        conv = self.conv_dim * self.conv_window * self.conv_dtype_bytes
+        ssm = self.ssm_heads * self.ssm_head_dim * self.ssm_state_size * self.ssm_dtype_bytes
+        return (conv + ssm) * self.linear_layers
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], *, mamba_ssm_dtype: str | None = None) -> ModelShape:
+        """Read a Qwen3.5/3.6 (qwen3_5 / qwen3_next family) config.json as SGLang 0.5.23 does.
+
+        Keys the file leaves out take the config class's defaults (`configs/qwen3_next.py: Qwen3NextConfig`),
+        as they do in SGLang; layer kinds come from `full_attention_interval` (`layers_block_type`).
+        """
+        text = config.get("text_config") or config
+        if not isinstance(text, Mapping):
+            raise ValueError("config.json: text_config is not an object")
+
+        def num(key: str, default: int) -> int:
+            value = text.get(key, default)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"config.json: text_config.{key} = {value!r} is not a non-negative integer")
+            return value
+
+        layers = num("num_hidden_layers", 48)
+        interval = num("full_attention_interval", 4) or 1
+        full = sum(1 for i in range(layers) if (i + 1) % interval == 0)
+        key_heads, value_heads = num("linear_num_key_heads", 16), num("linear_num_value_heads", 32)
+        key_dim, value_dim = num("linear_key_head_dim", 128), num("linear_value_head_dim", 128)
+        ssm_dtype = mamba_ssm_dtype or str(text.get("mamba_ssm_dtype") or "float32")
+        if ssm_dtype not in _DTYPE_BYTES:
+            raise ValueError(f"config.json: mamba_ssm_dtype {ssm_dtype!r} is not one of {sorted(_DTYPE_BYTES)}")
+        vision = config.get("vision_config")
+        # SGLang's VLM memory adjustment reads vision_config.hidden_size; a Qwen3.5 config without the block
+        # gets the class default (Qwen3_5VisionConfig: 1152).
+        has_vision = "vision_config" in config or config.get("model_type") == "qwen3_5"
+        vision_hidden = int(vision.get("hidden_size", 1152)) if isinstance(vision, Mapping) else 1152
+        return cls(
+            context_length=int(text.get("max_position_embeddings") or config.get("max_position_embeddings") or 32768),
+            full_attention_layers=full,
+            linear_layers=layers - full,
+            kv_heads=num("num_key_value_heads", 2),
+            head_dim=num("head_dim", 256),
+            kv_dtype_bytes=2,  # --kv-cache-dtype auto: the model's BF16
+            conv_dim=value_heads * value_dim + 2 * key_heads * key_dim,
+            conv_window=num("linear_conv_kernel_dim", 4) - 1,
+            conv_dtype_bytes=2,  # SGLANG_MAMBA_CONV_DTYPE default: bfloat16
+            ssm_heads=value_heads,
+            ssm_head_dim=value_dim,
+            ssm_state_size=key_dim,
+            ssm_dtype_bytes=_DTYPE_BYTES[ssm_dtype],
+            vision_hidden_size=vision_hidden if has_vision else None,
+        )
+
+    @classmethod
+    def from_model_dir(cls, path: Path, *, mamba_ssm_dtype: str | None = None) -> ModelShape:
+        """`from_config` on `path/config.json`."""
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        if not isinstance(config, dict):
+            raise ValueError(f"{path / 'config.json'}: not a JSON object")
+        return cls.from_config(config, mamba_ssm_dtype=mamba_ssm_dtype)
+
+
+_HYBRID_GDN_MODEL_TYPES = frozenset({"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"})
+
+
+def is_hybrid_gdn(config: Mapping[str, Any]) -> bool:
+    """Whether config.json is a Qwen3.5/3.6/Next hybrid GDN model, the family this sizing models."""
+    text = config.get("text_config")
+    text_type = text.get("model_type") if isinstance(text, Mapping) else None
+    return config.get("model_type") in _HYBRID_GDN_MODEL_TYPES or text_type in _HYBRID_GDN_MODEL_TYPES
+
+
+def weights_bytes(path: Path) -> int | None:
+    """Bytes of the checkpoint's weights: the safetensors index's total_size, else the shards' sizes; None if none."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        total = json.loads(index.read_text(encoding="utf-8")).get("metadata", {}).get("total_size")
+        if isinstance(total, int) and total > 0:
+            return total
+    shards = sorted(path.glob("*.safetensors"))
+    return sum(p.stat().st_size for p in shards) if shards else None
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """One server's GPU as probed, and what loading the weights takes from it."""
+
+    total_bytes: int
+    free_bytes: int  # before the server starts (the probe's free memory)
+    weights_bytes: int
+    bandwidth_bytes_per_s: float | None = None  # for the decode roofline; None: not known for this card
+
+    @property
+    def pre_model_load_bytes(self) -> int:
+        """What SGLang measures as free before loading (`pre_model_load_memory`)."""
+        return self.free_bytes - CUDA_CONTEXT_BYTES
+
+
+# Memory bandwidth of cards we plan for (datasheets), by a substring of the name the driver reports.
+_BANDWIDTH = {"RTX PRO 6000": 1.792e12, "H200": 4.8e12, "H100": 3.35e12, "B200": 8.0e12}
+
+
+def card_bandwidth(name: str) -> float | None:
+    """Datasheet memory bandwidth (bytes/s) of a card by its reported name; None when not in the table."""
+    return next((bw for key, bw in _BANDWIDTH.items() if key in name), None)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ValueError instead of exiting: a bad flag value is the engine's to report."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(f"server_args: {message}")
+
+
+@dataclass(frozen=True)
+class EngineFlags:
+    """The launch flags that decide pool sizes (SGLang 0.5.23 names, defaults as resolved for this model)."""
+
+    disable_radix_cache: bool = False
+    mamba_radix_cache_strategy: str = "auto"
+    disable_overlap_schedule: bool = False
+    mamba_full_memory_ratio: float = _DEFAULT_MAMBA_FULL_MEMORY_RATIO
+    max_mamba_cache_size: int | None = None
+    max_running_requests: int | None = None
+    mem_fraction_static: float | None = None
+    cuda_graph_max_bs_decode: int | None = None
+    chunked_prefill_size: int | None = None
+    mamba_ssm_dtype: str | None = None
+    kv_cache_dtype: str | None = None
+    speculative_algorithm: str | None = None
+
+    @classmethod
+    def from_args(cls, args: Sequence[str]) -> EngineFlags:
+        """The sizing flags among `args` (a run spec's server_args); other flags are ignored."""
+        p = _Parser(add_help=False, allow_abbrev=False)
+        p.add_argument("--disable-radix-cache", action="store_true")
+        p.add_argument("--mamba-radix-cache-strategy", default="auto")
+        p.add_argument("--disable-overlap-schedule", action="store_true")
+        p.add_argument("--mamba-full-memory-ratio", type=float, default=_DEFAULT_MAMBA_FULL_MEMORY_RATIO)
+        p.add_argument("--max-mamba-cache-size", type=int)
+        p.add_argument("--max-running-requests", type=int)
+        p.add_argument("--mem-fraction-static", type=float)
+        p.add_argument("--cuda-graph-max-bs-decode", "--cuda-graph-max-bs", dest="cuda_graph_max_bs_decode", type=int)
+        p.add_argument("--chunked-prefill-size", type=int)
+        p.add_argument("--mamba-ssm-dtype")
+        p.add_argument("--kv-cache-dtype")
+        p.add_argument("--speculative-algorithm")
+        known, _ = p.parse_known_args(list(args))
+        return cls(**vars(known))
+
+    def to_args(self) -> list[str]:
+        """The flags that differ from SGLang's defaults, as launch arguments."""
+        out: list[str] = []
+        if self.disable_radix_cache:
+            out.append("--disable-radix-cache")
+        if self.mamba_full_memory_ratio != _DEFAULT_MAMBA_FULL_MEMORY_RATIO:
+            out += ["--mamba-full-memory-ratio", f"{self.mamba_full_memory_ratio:g}"]
+        for flag, value in (
+            ("--max-mamba-cache-size", self.max_mamba_cache_size),
+            ("--max-running-requests", self.max_running_requests),
+            ("--mem-fraction-static", self.mem_fraction_static),
+            ("--cuda-graph-max-bs-decode", self.cuda_graph_max_bs_decode),
+        ):
+            if value is not None:
+                out += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+        return out
+
+    @property
+    def slots_per_request(self) -> int:
+        """`_calculate_mamba_ratio`: 1 without the radix cache; else 3, plus 2 (extra_buffer, overlap) or 1."""
+        if self.disable_radix_cache:
+            return 1
+        strategy = self.mamba_radix_cache_strategy
+        if strategy == "auto":
+            # overrides.py _mamba_radix_cache_resolution (page size 1): extra_buffer with overlap, else no_buffer.
+            strategy = "no_buffer" if self.disable_overlap_schedule else "extra_buffer"
+        if strategy == "no_buffer":
+            return _MAMBA_BASE_SLOTS
+        lazy = strategy == "extra_buffer_lazy"
+        return _MAMBA_BASE_SLOTS + (1 if lazy or self.disable_overlap_schedule else 2)
+
+
+def _graph_defaults(gpu_mib: float) -> tuple[int, int]:
+    """(chunked_prefill_size, decode CUDA-graph max bs) by card memory, tp 1 (`handle_gpu_memory_settings`)."""
+    if gpu_mib < 20 * 1024:
+        return 2048, 8
+    if gpu_mib < 35 * 1024:
+        return 4096, 48
+    if gpu_mib < 60 * 1024:
+        return 4096, 32
+    if gpu_mib < 160 * 1024:
+        return 8192, 256
+    return 16384, 512
+
+
+def _prefill_graph_sizes(max_bs: int) -> int:
+    """How many prefill CUDA-graph sizes are captured (`generate_prefill_cuda_graph_batch_sizes`)."""
+    sizes = [
+        *range(4, 33, 4),
+        *range(48, 257, 16),
+        *range(288, 513, 32),
+        *range(576, 1025, 64),
+        *range(1280, 4097, 256),
+        *range(4608, max_bs + 1, 512),
+    ]
+    return sum(1 for s in sizes if s <= max_bs)
+
+
+def decode_graph_max_bs(flags: EngineFlags, gpu_total_bytes: int) -> int:
+    """The largest decode batch SGLang captures: the flag, else the card default, lowered to max_running_requests."""
+    if flags.cuda_graph_max_bs_decode is not None:
+        return flags.cuda_graph_max_bs_decode
+    _, default = _graph_defaults(gpu_total_bytes / _MIB)
+    if flags.max_running_requests is not None and default > flags.max_running_requests:
+        return flags.max_running_requests
+    return default
+
+
+def sglang_mem_fraction_static(model: ModelShape, flags: EngineFlags, gpu_total_bytes: int) -> float:
+    """SGLang's own --mem-fraction-static for these flags when none is given (`handle_gpu_memory_settings`).
+
+    The reserve it keeps outside the pools: 512 MiB + 1.5 MiB per token of a prefill chunk + 2 MiB per decode
+    CUDA-graph batch size + 8 MiB per prefill graph size, at least 10 GiB on cards over 60 GiB; then 0.95x,
+    scaled by the vision tower's size, for a multimodal model.
+    """
+    if flags.mem_fraction_static is not None:
+        return flags.mem_fraction_static
+    gpu_mib = gpu_total_bytes / _MIB
+    chunk_default, _ = _graph_defaults(gpu_mib)
+    chunk = flags.chunked_prefill_size if flags.chunked_prefill_size is not None else chunk_default
+    reserved = 512 + max(chunk, 2048) * 1.5 + 1 / 8 * 1024
+    reserved += decode_graph_max_bs(flags, gpu_total_bytes) * 2 + _prefill_graph_sizes(chunk) * 8
+    if gpu_mib > 60 * 1024:
+        reserved = max(reserved, 10 * 1024)
+    fraction = round((gpu_mib - reserved) / gpu_mib, 3)
+    if model.vision_hidden_size is not None:
+        # adjust_mem_fraction_for_vlm: ViT size relative to ViT-L (24 x 1024^2); Qwen3.5's vision config has no
+        # num_hidden_layers, so SGLang takes its default of 24 layers.
+        ratio = (24 * model.vision_hidden_size**2) / (24 * 1024**2)
+        fraction *= 0.95 * max(0.8, min(1.05, 1.0 - 0.1 * (ratio - 1.0)))
+    return fraction
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """What SGLang 0.5.23 allocates for one server: the state pool, the KV pool and the running-request cap."""
+
+    mem_fraction_static: float
+    max_mamba_cache_size: int
+    slots_per_request: int
+    max_total_num_tokens: int
+    max_running_requests: int
+    capped_by_state_pool: bool
+
+    def concurrency(self, context_tokens: int) -> int:
+        """Requests of `context_tokens` each that run at once: the cap, or fewer when the KV pool is the limit."""
+        return max(0, min(self.max_running_requests, self.max_total_num_tokens // max(1, context_tokens)))
+
+
+def sglang_sizing(model: ModelShape, gpu: GpuMemory, flags: EngineFlags) -> Sizing:
+    """SGLang 0.5.23's pool sizes and running-request cap for one hybrid-GDN server (tp 1, page 1, no spec)."""
+    if flags.speculative_algorithm:
+        raise ValueError("sizing with speculative decoding is not modelled (its state reserve differs)")
+    fraction = sglang_mem_fraction_static(model, flags, gpu.total_bytes)
+    pre_gib = gpu.pre_model_load_bytes / _GIB
+    available_gib = (gpu.pre_model_load_bytes - gpu.weights_bytes) / _GIB
+    rest = available_gib - pre_gib * (1 - fraction)
+    if model.vision_hidden_size is not None:
+        rest -= _VLM_CACHE_BYTES / _MIB / 1024
+    per_slot = model.state_bytes_per_slot
+    ratio = flags.slots_per_request
+    if flags.max_mamba_cache_size is not None:
+        slots = flags.max_mamba_cache_size
+    elif flags.disable_radix_cache and flags.max_running_requests is not None:
+        slots = max(1, flags.max_running_requests)
+    else:
+        r = flags.mamba_full_memory_ratio
+        budget = rest * r / (1 + r) * _GIB
+        slots = int((budget - per_slot) // per_slot)
+    if slots <= 0:
+        raise ValueError(f"no memory left for the state pool (max_mamba_cache_size={slots})")
+    rest -= (slots + 1) * per_slot / _GIB  # +1: each pool's padding slot
+    if rest <= 0:
+        raise ValueError("the weights and the state pool leave no memory for the KV cache")
+    tokens = int(rest * _GIB) // model.kv_bytes_per_token
+    if tokens <= 0:
+        raise ValueError("no KV cache tokens fit")
+    if flags.max_running_requests is not None:
+        cap = min(max(1, flags.max_running_requests), tokens // 2)
+    else:
+        estimated = max(min(int(tokens / model.context_length * 512), 4096), 2048)
+        cap = min(estimated, tokens // 2)
+    state_cap = slots // ratio
+    return Sizing(
+        mem_fraction_static=fraction,
+        max_mamba_cache_size=slots,
+        slots_per_request=ratio,
+        max_total_num_tokens=tokens,
+        max_running_requests=min(cap, state_cap),
+        capped_by_state_pool=state_cap < cap,
+    )
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to launch: its flags, SGLang's sizing for them, and how many requests of the run fit at once."""
+
+    name: str
+    flags: EngineFlags
+    sizing: Sizing
+    concurrency: int
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class PrefixReuse:
+    """Multi-turn regeneration: each turn's prompt extends the previous turn's history."""
+
+    history_tokens: int  # mean history a turn would re-prefill without the radix cache
+    output_tokens: int  # mean tokens generated per turn
+    prefill_tokens_per_s: float  # prefill rate of one GPU (measured by the pilot, or an estimate)
+    decode_steps_per_s: float  # decode steps per second at the planned batch (roofline or measured)
+
+
+def choose_prefix_reuse(reuse: PrefixReuse, with_radix: int, without_radix: int) -> tuple[bool, str]:
+    """Keep the radix cache for a multi-turn run? Weighs re-prefilling each history against fewer running requests.
+
+    Per request, a GPU spends output/(batch x steps/s) seconds on decode; without the radix cache it also
+    re-prefills the history (history / prefill rate, which stalls the batch). The cheaper side wins.
+    """
+    if with_radix <= 0 or without_radix <= 0:
+        raise ValueError("both strategies must run at least one request")
+    decode_with = reuse.output_tokens / (with_radix * reuse.decode_steps_per_s)
+    decode_without = reuse.output_tokens / (without_radix * reuse.decode_steps_per_s)
+    prefill = reuse.history_tokens / reuse.prefill_tokens_per_s
+    keep = decode_with < decode_without + prefill
+    why = (
+        f"per request: {decode_with * 1e3:.1f} ms of GPU time with the radix cache ({with_radix} running) vs "
+        f"{(decode_without + prefill) * 1e3:.1f} ms without ({without_radix} running, "
+        f"{reuse.history_tokens} history tokens re-prefilled at {reuse.prefill_tokens_per_s:,.0f} tok/s)"
+    )
+    return keep, why
+
+
+def decode_roofline(model: ModelShape, gpu: GpuMemory, batch: int, context_tokens: int) -> float | None:
+    """Output tokens/s of one GPU at `batch` running requests, if decode were purely memory-bound.
+
+    One decode step reads every weight once, and per request its recurrent state (read and written) and its KV
+    cache, taken at the full context (a request holds less early in its life, so this bound is a little low).
+    """
+    if gpu.bandwidth_bytes_per_s is None or batch <= 0:
+        return None
+    per_request = 2 * model.state_bytes_per_slot + model.kv_bytes_per_token * context_tokens
+    step_bytes = gpu.weights_bytes + batch * per_request
+    return batch * gpu.bandwidth_bytes_per_s / step_bytes
+
+
+def _best_balanced(
+    model: ModelShape, gpu: GpuMemory, base: EngineFlags, context: int, *, radix: bool
+) -> tuple[EngineFlags, Sizing]:
+    """The explicit state-pool size that makes state slots and KV tokens run out together at `context`."""
+    ratio = base.slots_per_request if radix else 1
+    fraction_probe = replace(base, disable_radix_cache=not radix, max_running_requests=1, max_mamba_cache_size=None)
+    # Memory for both pools: what one slot plus its padding leaves, plus that slot back.
+    one = sglang_sizing(model, gpu, fraction_probe if not radix else replace(fraction_probe, max_mamba_cache_size=1))
+    pool_bytes = one.max_total_num_tokens * model.kv_bytes_per_token + model.state_bytes_per_slot
+    per_request = ratio * model.state_bytes_per_slot + context * model.kv_bytes_per_token
+    guess = max(1, pool_bytes // per_request)
+    best: tuple[int, EngineFlags, Sizing] | None = None
+    # The cap moves the CUDA-graph reserve (and so the pools) a little: try the neighbours of the estimate.
+    for n in range(max(1, guess - 4), guess + 5):
+        if radix:
+            flags = replace(base, disable_radix_cache=False, max_mamba_cache_size=n * ratio, max_running_requests=n)
+        else:
+            flags = replace(base, disable_radix_cache=True, max_running_requests=n, max_mamba_cache_size=None)
+        try:
+            sizing = sglang_sizing(model, gpu, flags)
+        except ValueError:
+            continue
+        fit = sizing.concurrency(context)
+        if best is None or fit > best[0]:
+            best = (fit, flags, sizing)
+    if best is None:
+        raise ValueError("no balanced state pool fits this GPU")
+    return best[1], best[2]
+
+
+@dataclass
+class MemoryPlan:
+    """The chosen launch flags, every candidate SGLang's sizing was asked about, and why."""
+
+    context_tokens: int
+    context_source: str
+    candidates: list[Candidate]
+    chosen: str
+    plan_args: list[str]  # what the launcher adds (explicit server_args removed)
+    overridden: list[str] = field(default_factory=list)  # planned flags the run spec sets itself
+    numerics: list[str] = field(default_factory=list)  # output-changing flags the run spec chose
+    launched: Sizing | None = None  # SGLang's sizing for what is actually launched
+    reasons: list[str] = field(default_factory=list)
+    roofline_tokens_per_s: float | None = None
+
+    def candidate(self, name: str) -> Candidate:
+        """The candidate called `name`."""
+        return next(c for c in self.candidates if c.name == name)
+
+    @property
+    def default(self) -> Candidate:
+        """SGLang's defaults (with the spec's explicit flags)."""
+        return self.candidate("defaults")
+
+    @property
+    def planned(self) -> Candidate:
+        """The candidate the plan chose."""
+        return self.candidate(self.chosen)
+
+    def summary(self) -> str:
+        """One line for the environment report and `datagen check`."""
+        launched = self.launched or self.planned.sizing
+        fit = launched.concurrency(self.context_tokens)
+        line = (
+            f"{fit} running requests per GPU at {self.context_tokens:,} tokens of context ({self.context_source}); "
+            f"SGLang defaults: {self.default.concurrency}; plan '{self.chosen}': {' '.join(self.plan_args) or '-'}"
+        )
+        if self.overridden:
+            line += f"; run spec's server_args win for {', '.join(self.overridden)}"
+        if self.numerics:
+            line += f"; numerics chosen by the run spec: {' '.join(self.numerics)}"
+        return line
+
+    def lineage(self) -> dict[str, Any]:
+        """The plan as plain JSON for the lineage manifest and the dataset card."""
+        launched = self.launched or self.planned.sizing
+        return {
+            "context_tokens": self.context_tokens,
+            "context_source": self.context_source,
+            "chosen": self.chosen,
+            "plan_args": self.plan_args,
+            "overridden_by_server_args": self.overridden,
+            "numerics_flags": self.numerics,
+            "running_requests_per_gpu": launched.concurrency(self.context_tokens),
+            "default_running_requests_per_gpu": self.default.concurrency,
+            "sizing": asdict(launched),
+            "candidates": {c.name: {"args": c.flags.to_args(), "running": c.concurrency} for c in self.candidates},
+            "reasons": self.reasons,
+        }
+
+
+def _given(args: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def numerics_flags(server_args: Sequence[str]) -> list[str]:
+    """The output-changing flags among `server_args`, with their values (for the lineage and the card)."""
+    out: list[str] = []
+    for i, a in enumerate(server_args):
+        name = a.split("=", 1)[0]
+        if name in NUMERICS_FLAGS or name.startswith("--speculative-"):
+            has_value = "=" not in a and i + 1 < len(server_args) and not server_args[i + 1].startswith("--")
+            out += [a, server_args[i + 1]] if has_value else [a]
+    return out
+
+
+def plan_memory(
+    model: ModelShape,
+    gpu: GpuMemory,
+    context_tokens: int,
+    *,
+    context_source: str,
+    server_args: Sequence[str] = (),
+    prefix_reuse: PrefixReuse | None = None,
+) -> MemoryPlan:
+    """Choose the launch flags that run the most requests of `context_tokens` at once on one GPU.
+
+    Candidates: SGLang's defaults; the radix cache off with the default 0.9 split; the radix cache off with the
+    state pool sized to exactly the requests that also fit in the KV pool (`--max-running-requests` with
+    `--disable-radix-cache` makes SGLang size the state pool to it and give the rest to KV); and, for a run
+    whose turns extend a prefix, the radix cache on with the pools balanced the same way. Explicit server_args
+    win: they are kept in every candidate and the plan never repeats them.
+    """
+    if context_tokens <= 0:
+        raise ValueError(f"context_tokens must be positive, got {context_tokens}")
+    base = EngineFlags.from_args(server_args)
+    if base.speculative_algorithm:
+        raise ValueError("no memory plan with speculative decoding (set --max-running-requests yourself)")
+    if base.mamba_ssm_dtype:
+        if base.mamba_ssm_dtype not in _DTYPE_BYTES:
+            raise ValueError(
+                f"server_args: --mamba-ssm-dtype {base.mamba_ssm_dtype!r} is not one of {sorted(_DTYPE_BYTES)}"
+            )
+        model = replace(model, ssm_dtype_bytes=_DTYPE_BYTES[base.mamba_ssm_dtype])
+    # The plan's own choices start from SGLang's defaults for the flags it may set.
+    free = replace(
+        base,
+        disable_radix_cache=False,
+        mamba_full_memory_ratio=_DEFAULT_MAMBA_FULL_MEMORY_RATIO,
+        max_mamba_cache_size=None,
+        max_running_requests=None,
+        cuda_graph_max_bs_decode=base.cuda_graph_max_bs_decode,
+    )
+
+    def candidate(name: str, flags: EngineFlags, note: str = "") -> Candidate:
+        sizing = sglang_sizing(model, gpu, flags)
+        return Candidate(name, flags, sizing, sizing.concurrency(context_tokens), note)
+
+    candidates = [candidate("defaults", free, "SGLang 0.5.23 defaults: radix cache on, pools split 0.9:1")]
+    if base.mem_fraction_static is None:
+        # Pinned at the defaults' value, rounded down: SGLang's reserve (activations of a prefill chunk, CUDA
+        # graphs, ViT headroom, 10 GiB floor) is the safety margin. A running-request cap below 256 shrinks
+        # the decode graphs and SGLang would then reserve less; the pin keeps that difference as extra margin.
+        default_fraction = candidates[0].sizing.mem_fraction_static
+        free = replace(free, mem_fraction_static=math.floor(default_fraction * 1000) / 1000)
+    candidates.append(candidate("no-radix", replace(free, disable_radix_cache=True), "radix cache off, 0.9:1 split"))
+    flags, _ = _best_balanced(model, gpu, free, context_tokens, radix=False)
+    candidates.append(candidate("no-radix-balanced", flags, "radix cache off, state pool = running requests"))
+    reasons = [
+        f"state slot {model.state_bytes_per_slot / _MIB:.1f} MiB ({model.linear_layers} GDN layers), "
+        f"KV {model.kv_bytes_per_token / 1024:.0f} KiB/token ({model.full_attention_layers} attention layers), "
+        f"weights {gpu.weights_bytes / _GIB:.1f} GiB of {gpu.total_bytes / _GIB:.1f} GiB"
+    ]
+    if prefix_reuse is not None:
+        radix_flags, _ = _best_balanced(model, gpu, free, context_tokens, radix=True)
+        candidates.append(candidate("radix-balanced", radix_flags, "radix cache on, pools balanced"))
+    best_no_radix = max((c for c in candidates if c.flags.disable_radix_cache), key=lambda c: c.concurrency)
+    if prefix_reuse is None:
+        chosen = best_no_radix
+        reasons.append("single-turn run: no prompt shares a prefix with another, so the radix cache only costs slots")
+    else:
+        best_radix = max((c for c in candidates if not c.flags.disable_radix_cache), key=lambda c: c.concurrency)
+        keep, why = choose_prefix_reuse(prefix_reuse, best_radix.concurrency, best_no_radix.concurrency)
+        chosen = best_radix if keep else best_no_radix
+        reasons.append(f"turns extend a prefix; {'keep' if keep else 'drop'} the radix cache: {why}")
+    chosen_flags = chosen.flags
+    _, graph_default = _graph_defaults(gpu.total_bytes / _MIB)
+    cap = chosen.sizing.max_running_requests
+    if chosen_flags.cuda_graph_max_bs_decode is None and cap > graph_default:
+        # Decode batches above the captured size run eagerly; SGLang only ever lowers the default to the cap.
+        chosen_flags = replace(chosen_flags, cuda_graph_max_bs_decode=cap)
+    reasons.append(
+        f"'{chosen.name}' runs {chosen.concurrency} requests of {context_tokens:,} tokens at once "
+        f"(defaults: {candidates[0].concurrency}); CUDA graphs cover decode batches up to "
+        f"{decode_graph_max_bs(chosen_flags, gpu.total_bytes)}"
+    )
+    planned = chosen_flags.to_args()
+    overridden = sorted({a for a in planned if a.startswith("--") and _given(server_args, a)})
+    plan_args = _without(planned, overridden)
+    launched_flags = EngineFlags.from_args([*plan_args, *server_args])
+    plan = MemoryPlan(
+        context_tokens=context_tokens,
+        context_source=context_source,
+        candidates=candidates,
+        chosen=chosen.name,
+        plan_args=plan_args,
+        overridden=overridden,
+        numerics=numerics_flags(server_args),
+        launched=sglang_sizing(model, gpu, launched_flags),
+        reasons=reasons,
+    )
+    plan.roofline_tokens_per_s = decode_roofline(
+        model, gpu, plan.launched.concurrency(context_tokens) if plan.launched else 0, context_tokens
+    )
+    return plan
+
+
+def _without(args: list[str], flags: Sequence[str]) -> list[str]:
+    """`args` minus each flag in `flags` and its value."""
+    out: list[str] = []
+    skip = False
+    for i, a in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        if a in flags:
+            skip = i + 1 < len(args) and not args[i + 1].startswith("--")
+            continue
+        out.append(a)
+    return out
+
+
+def expected_context(
+    mean_prompt_tokens: float, mean_output_tokens: float | None, max_new_tokens: int
+) -> tuple[int, str]:
+    """Tokens of context a running request holds at its end: prompt + output (pilot), else prompt + max/2."""
+    if mean_output_tokens is not None:
+        return max(1, math.ceil(mean_prompt_tokens + mean_output_tokens)), "prompt + pilot-measured output"
+    return max(1, math.ceil(mean_prompt_tokens + max_new_tokens / 2)), "prompt + max_new_tokens/2 (no pilot yet)"
