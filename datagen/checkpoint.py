@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from datagen.diskspace import full_disk_message
+
 __all__ = [
     "CheckpointAppender",
     "CheckpointError",
@@ -142,12 +144,19 @@ def repair(path: Path) -> int:
         return size - keep
 
 
+def _naming(exc: OSError, path: Path) -> OSError:
+    """The same error, naming the checkpoint (a write's ENOSPC names no file) and, for a full disk, what to do."""
+    named = OSError(exc.errno, exc.strerror, str(path))
+    return OSError(exc.errno, full_disk_message(named, path.parent) or f"{exc.strerror}: {path}", str(path))
+
+
 class CheckpointAppender:
     """Appends records to a checkpoint file (after `repair`); fsyncs when asked and at least every `interval_s`."""
 
     def __init__(self, path: Path, interval_s: float) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         repair(path)
+        self.path = path
         self._f: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
         self._interval_s = interval_s
         self._last = time.monotonic()
@@ -156,8 +165,11 @@ class CheckpointAppender:
     def write(self, line: str) -> None:
         # Flushed per line: a killed process (SIGKILL, OOM) loses nothing it recorded, only a machine crash
         # can lose the last interval's lines. One write syscall per completion is noise next to the request.
-        self._f.write(line + "\n")
-        self._f.flush()
+        try:
+            self._f.write(line + "\n")
+            self._f.flush()
+        except OSError as exc:
+            raise _naming(exc, self.path) from exc
         self._dirty = True
 
     def sync_if_due(self) -> None:
@@ -165,8 +177,11 @@ class CheckpointAppender:
             self.sync()
 
     def sync(self) -> None:
-        self._f.flush()
-        os.fsync(self._f.fileno())
+        try:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+        except OSError as exc:
+            raise _naming(exc, self.path) from exc
         self._dirty = False
         self._last = time.monotonic()
 

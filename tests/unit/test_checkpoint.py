@@ -165,3 +165,23 @@ def test_a_completion_whose_messages_are_not_messages_is_a_malformed_record(tmp_
     items = [item for _, item in iter_jsonl_completions(path)]
     assert isinstance(items[0], ValidatedCompletion)
     assert isinstance(items[1], MalformedRecord) and "role" in str(items[1])
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full for a real ENOSPC")
+def test_a_full_disk_names_the_checkpoint_and_what_to_do(tmp_path: Path) -> None:
+    # A full disk's write error names no file ("[Errno 28] No space left on device"): the task's failure in the
+    # UI must say which checkpoint and what to do. /dev/full gives the kernel's own ENOSPC on every write.
+    import errno
+    import os
+
+    path = tmp_path / "shards" / "shard-00000.completions.jsonl"
+    appender = CheckpointAppender(path, interval_s=60.0)
+    full = os.open("/dev/full", os.O_WRONLY)
+    try:
+        os.dup2(full, appender._f.fileno())  # the appender's own descriptor now writes to a full device
+        with pytest.raises(OSError) as raised:
+            appender.write('{"request_key": "k"}')
+    finally:
+        os.close(full)
+    assert raised.value.errno == errno.ENOSPC
+    assert str(path) in str(raised.value) and "DATAGEN_WORK_DIR" in str(raised.value), str(raised.value)
