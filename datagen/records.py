@@ -124,10 +124,20 @@ def _messages_in(items: list[Any]) -> list[Message]:
     return [m if isinstance(m, Message) else Message.from_dict(m) for m in items]
 
 
+# Written only when set, so records without tools keep the JSON lines (and cache keys) they had before.
+_OMITTED_WHEN_NONE = frozenset({"tools", "tool_calls"})
+
+
 def _record_json(record: Any, skip: frozenset[str] = frozenset()) -> str:
     """A record with messages as one JSON line: messages in their dict form, fields in declaration order."""
-    body = {f.name: getattr(record, f.name) for f in fields(record) if f.name not in skip}
+    body = {
+        f.name: getattr(record, f.name)
+        for f in fields(record)
+        if f.name not in skip and not (f.name in _OMITTED_WHEN_NONE and getattr(record, f.name) is None)
+    }
     body["messages"] = [m.to_dict() for m in body["messages"]]
+    if "tool_calls" in body:
+        body["tool_calls"] = [c.to_dict() for c in body["tool_calls"]]
     return json.dumps(body, ensure_ascii=False)
 
 
@@ -146,6 +156,7 @@ class Prompt:
     # The rendered prompt's token ids when the loader rendered it (for its id): held in memory only, never in
     # the JSON line; planning writes them beside the shard (datagen.preparation) so generation need not render.
     input_ids: array[int] | None = field(default=None, repr=False, compare=False)
+    tools: list[dict[str, Any]] | None = None  # OpenAI function schemas the template renders (`tools=`)
 
     def __post_init__(self) -> None:
         self.messages = _messages_in(self.messages)
@@ -214,9 +225,13 @@ class Completion:
     category: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     location: str | None = None  # the input row (see Prompt.location)
+    tools: list[dict[str, Any]] | None = None  # the prompt's tool schemas (Prompt.tools), for rendering and export
+    tool_calls: list[ToolCall] | None = None  # the calls parsed from the generated turn, when it made any
 
     def __post_init__(self) -> None:
         self.messages = _messages_in(self.messages)
+        if self.tool_calls is not None:
+            self.tool_calls = [c if isinstance(c, ToolCall) else ToolCall.from_dict(c) for c in self.tool_calls]
 
     def to_json(self) -> str:
         return _record_json(self)
@@ -256,6 +271,11 @@ class TokenRow:
     request_key: str
     category: str | None = None
     num_turns: int = 1
+    # Where the row sits in its conversation (single-turn mode: one row per conversation, one loss span).
+    conversation_id: str | None = None  # the published conversation's `id` (today the prompt id)
+    turn_index: int = 0  # 0-based index of the user turn whose answer this row trains on
+    num_loss_spans: int = 1  # runs of loss_mask == 1 (one per generated assistant message)
+    span_finish_reasons: list[str] | None = None  # each loss span's finish reason, in order
 
 
 TOKEN_ROW_SCHEMA = pa.schema(
@@ -270,5 +290,10 @@ TOKEN_ROW_SCHEMA = pa.schema(
         pa.field("finish_reason", pa.string(), nullable=False),
         pa.field("request_key", pa.string(), nullable=False),
         pa.field("num_turns", pa.int16(), nullable=False),
+        # Added with conversations; nullable so files written before them read with this schema (as nulls).
+        pa.field("conversation_id", pa.string()),
+        pa.field("turn_index", pa.int16()),
+        pa.field("num_loss_spans", pa.int16()),
+        pa.field("span_finish_reasons", pa.list_(pa.string())),
     ]
 )

@@ -122,6 +122,7 @@ def _completion(prompt: Prompt, key: str, sent_tokens: int, result: GenerateResu
         category=prompt.category,
         meta=meta,
         location=prompt.location,
+        tools=prompt.tools,
     )
 
 

@@ -5,8 +5,9 @@ Order of writes under the namespace:
 1. `publish-claim.json`: the sorted list of (key, size, sha256) to be published. Whoever creates it owns the
    namespace; a re-run of the same files finds its own claim (same bytes) and resumes, any other publish is
    refused before it writes a byte of data.
-2. every file of the staging directory, keyed by its relative path (data/*.parquet, rejects/*.parquet,
-   README.md), with its sha256 as object metadata; files already there with the same sha256 are skipped.
+2. every file of the staging directory, keyed by its relative path (data/*.parquet, conversations/*.jsonl,
+   rejects/*.parquet, README.md), with its sha256 as object metadata; files already there with the same sha256
+   are skipped.
 3. `manifest.json`, LAST: every object with size and sha256, row counts, and the lineage. A namespace without
    manifest.json holds an incomplete dataset.
 """
