@@ -160,6 +160,7 @@ def test_an_interrupted_publish_rerun_republishes_identical_conversation_bytes(
 ) -> None:
     first = _restage(published_run, tmp_path / "first")
     published = {p.name: p.read_bytes() for p in (published_run.local / "conversations").glob("*.jsonl")}
+    assert published, "the run published no conversations"
     assert {p.name: p.read_bytes() for p in (first / "conversations").glob("*.jsonl")} == published
 
     store = published_run.store
@@ -167,12 +168,13 @@ def test_an_interrupted_publish_rerun_republishes_identical_conversation_bytes(
         publish(first, "conv_resume", _StopAfter(store, 3), {"pipeline_version": "test"}, workers=1)  # type: ignore[arg-type]
     before = {o.key for o in store.list("conv_resume/")}
     assert f"conv_resume/{CLAIM_NAME}" in before and len(before) == 3
+    assert any(k.startswith("conv_resume/conversations/") for k in before)  # interrupted after a conversation file
 
     again = _restage(published_run, tmp_path / "again")  # the re-run: a fresh tokenization, then publish
     result = publish(again, "conv_resume", store, {"pipeline_version": "test"})
     assert sorted(result.skipped) == sorted(before)  # what the first attempt wrote had the same bytes
-    for key in (o.key for o in store.list("conv_resume/conversations/")):
-        assert store.get_bytes(key) == published[Path(key).name]
+    resumed = {Path(o.key).name: store.get_bytes(o.key) for o in store.list("conv_resume/conversations/")}
+    assert resumed == published
 
 
 def test_objectexists_is_what_a_changed_conversation_file_meets(published_run: PublishedRun, tmp_path: Path) -> None:
