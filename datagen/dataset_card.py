@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, Field
 
 from datagen import __version__
+from datagen.conversation_export import CONVERSATIONS_GLOB
 from datagen.records import TOKEN_ROW_SCHEMA
 from datagen.runspec import SamplingSpec
 
@@ -94,6 +95,7 @@ def write_dataset_card(
         "configs": [
             {"config_name": "default", "data_files": [{"split": "train", "path": "data/train-*.parquet"}]},
             {"config_name": "rejects", "data_files": [{"split": "train", "path": "rejects/rejects-*.parquet"}]},
+            {"config_name": "conversations", "data_files": [{"split": "train", "path": CONVERSATIONS_GLOB}]},
         ],
         "dataset_info": {
             "config_name": "default",
@@ -123,6 +125,9 @@ tokenized for training a speculative-decoding drafter on the target model's own 
 Each row of `data/` is one conversation: `input_ids` are the rendered prompt's token ids followed by
 the completion's token ids exactly as the server generated them ({lineage.tokenization_mode});
 `loss_mask` is 0 over the prompt and 1 over the completion (thinking, answer and the closing EOS).
+`conversations/` holds the same rows as conversations in SpecForge's JSONL schema (`id` = the row's
+`conversation_id`; the prompt's messages, then the generated turn with `reasoning_content` split at
+`</think>`; `tools` as JSON text), for trainers that render conversations themselves.
 `rejects/` lists every sample that was not shipped, with its stage and reason.
 
 - rows: {sizes.num_examples}, files: {sizes.num_files}, bytes: {sizes.num_bytes}

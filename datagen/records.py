@@ -280,6 +280,11 @@ class TokenRow:
     category: str | None = None
     num_turns: int = 1
     normalized: str | None = None  # see Prompt.normalized: the prompt text was normalized at load ("NFC")
+    # Where the row sits in its conversation (single-turn mode: one row per conversation, one loss span).
+    conversation_id: str | None = None  # the published conversation's `id` (today the prompt id)
+    turn_index: int = 0  # 0-based index of the user turn whose answer this row trains on
+    num_loss_spans: int = 1  # runs of loss_mask == 1 (one per generated assistant message)
+    span_finish_reasons: list[str] | None = None  # each loss span's finish reason, in order
 
 
 TOKEN_ROW_SCHEMA = pa.schema(
@@ -295,5 +300,10 @@ TOKEN_ROW_SCHEMA = pa.schema(
         pa.field("request_key", pa.string(), nullable=False),
         pa.field("num_turns", pa.int16(), nullable=False),
         pa.field("normalized", pa.string()),
+        # Added with conversations; nullable so files written before them read with this schema (as nulls).
+        pa.field("conversation_id", pa.string()),
+        pa.field("turn_index", pa.int16()),
+        pa.field("num_loss_spans", pa.int16()),
+        pa.field("span_finish_reasons", pa.list_(pa.string())),
     ]
 )

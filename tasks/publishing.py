@@ -6,8 +6,9 @@ Order of writes under the namespace:
    lineage. Whoever creates it owns the namespace; a re-run of the same files finds its own claim and resumes
    (the manifest is built from that claim, so every attempt writes the same bytes), any other publish is refused
    before it writes a byte of data, with the one command that unblocks it (`datagen abandon`).
-2. every file of the staging directory, keyed by its relative path (data/*.parquet, rejects/*.parquet,
-   README.md), with its sha256 as object metadata; files already there with the same sha256 are skipped.
+2. every file of the staging directory, keyed by its relative path (data/*.parquet, conversations/*.jsonl,
+   rejects/*.parquet, README.md), with its sha256 as object metadata; files already there with the same sha256
+   are skipped.
 3. `manifest.json`, LAST: every object with size and sha256, row counts, and the lineage. A namespace without
    manifest.json holds an incomplete dataset. A re-run that finds its own manifest there is done.
 

@@ -8,6 +8,8 @@ row that fails becomes a Reject, never a training row.
 
 Output (all of it is what gets published):
     staging_dir/data/train-00000-of-0000N.parquet     TOKEN_ROW_SCHEMA, `rows_per_file` rows each
+    staging_dir/conversations/conversations-00000-of-0000N.jsonl  the same rows as conversations
+                                                      (SpecForge's schema: datagen/conversation_export.py)
     staging_dir/rejects/rejects-00000-of-0000M.parquet REJECT_SCHEMA: upstream, validation and tokenize rejects
 """
 
@@ -27,6 +29,7 @@ from pydantic import BaseModel, Field
 
 from datagen.chat import ChatTokenizer, TemplateError
 from datagen.checkpoint import read_lines
+from datagen.conversation_export import ConversationWriter, conversation_record
 from datagen.dataset_card import DatasetSizes
 from datagen.quality import NO_CATEGORY, TokenDistribution, completion_body
 from datagen.records import REJECT_SCHEMA, TOKEN_ROW_SCHEMA, Completion, Message, Reject, TokenRow
@@ -87,6 +90,12 @@ def _row(c: Completion, input_ids: list[int], loss_mask: list[int], prompt_token
         category=c.category,
         num_turns=_num_turns(c.messages),
         normalized=c.normalized,
+        # Single-turn mode: the conversation is the prompt plus this one generated turn, so the row answers
+        # the last user turn with one loss span (the completion) ending as the server said.
+        conversation_id=c.prompt_id,
+        turn_index=_num_turns(c.messages) - 1,
+        num_loss_spans=1,
+        span_finish_reasons=[c.finish_reason],
     )
 
 
@@ -175,6 +184,9 @@ class TokenizationSummary(BaseModel):
     rows_by_source: dict[str, int] = Field(default_factory=dict, description="Source -> rows.")
     rows_by_category: dict[str, int] = Field(default_factory=dict, description="Category -> rows.")
     data_files: list[str] = Field(default_factory=list, description="Training parquet files, relative paths.")
+    conversation_files: list[str] = Field(
+        default_factory=list, description="Conversation JSONL files (one line per training row), relative paths."
+    )
     reject_files: list[str] = Field(default_factory=list, description="Rejects parquet files, relative paths.")
     data_bytes: int = Field(0, description="Bytes of the training parquet files.")
     rejects_total: int = Field(0, description="Reject rows written (all stages).")
@@ -268,6 +280,10 @@ def _token_batch(rows: list[TokenRow]) -> pa.RecordBatch:
         pa.array([r.request_key for r in rows], pa.string()),
         pa.array([r.num_turns for r in rows], pa.int16()),
         pa.array([r.normalized for r in rows], pa.string()),
+        pa.array([r.conversation_id for r in rows], pa.string()),
+        pa.array([r.turn_index for r in rows], pa.int16()),
+        pa.array([r.num_loss_spans for r in rows], pa.int16()),
+        pa.array([r.span_finish_reasons for r in rows], pa.list_(pa.string())),
     ]
     return pa.RecordBatch.from_arrays(arrays, schema=TOKEN_ROW_SCHEMA)
 
@@ -337,6 +353,7 @@ class StreamingTokenizer:
         _clean(self._rejects_dir, "rejects-*.parquet")
         self._data = _ParquetParts(self._data_dir / ".parts", TOKEN_ROW_SCHEMA, rows_per_file)
         self._rejects = _ParquetParts(self._rejects_dir / ".parts", REJECT_SCHEMA, 1_000_000)
+        self._conversations = ConversationWriter(staging_dir, rows_per_file)
         self.summary = TokenizationSummary(mode=mode)
         self._pending: list[Reject] = []
 
@@ -390,6 +407,7 @@ class StreamingTokenizer:
                     )
                 else:
                     rows.append(result)
+                    self._conversations.write(conversation_record(c, self.enable_thinking))
             if rows:
                 self._data.write(_token_batch(rows))
             for row in rows:
@@ -409,10 +427,12 @@ class StreamingTokenizer:
             self._pending.clear()
         data_files = _finalize(self._data.close(), self._data_dir, "train")
         reject_files = _finalize(self._rejects.close(), self._rejects_dir, "rejects")
+        conversation_files = self._conversations.close()
         (self._data_dir / ".parts").rmdir()
         (self._rejects_dir / ".parts").rmdir()
         summary.data_files = [str(p.relative_to(self.staging_dir)) for p in data_files]
         summary.reject_files = [str(p.relative_to(self.staging_dir)) for p in reject_files]
+        summary.conversation_files = [str(p.relative_to(self.staging_dir)) for p in conversation_files]
         summary.data_bytes = sum(p.stat().st_size for p in data_files)
         return summary
 

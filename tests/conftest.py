@@ -3,6 +3,7 @@ import tempfile
 from pathlib import Path
 
 # Shared fixtures live in their own modules; this file only makes them visible to every test.
+from tests.conversation_fixtures import *  # noqa: F403
 from tests.flow_fixtures import *  # noqa: F403
 from tests.s3_fixtures import *  # noqa: F403
 

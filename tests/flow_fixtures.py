@@ -17,7 +17,7 @@ from prefect.testing.utilities import prefect_test_harness
 
 from datagen.localstack import LocalS3
 
-__all__ = ["pipeline_env", "prefect_api"]
+__all__ = ["pipeline_env", "pipeline_env_vars", "prefect_api"]
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +29,9 @@ def prefect_api() -> Iterator[None]:
         yield
 
 
-@pytest.fixture
-def pipeline_env(monkeypatch: pytest.MonkeyPatch, local_s3: LocalS3, tmp_path: Path) -> dict[str, str]:
-    """Settings for a flow run on the session's S3 server under a fresh prefix, with two fast stand-in servers."""
-    env = {
+def pipeline_env_vars(local_s3: LocalS3, tmp_path: Path) -> dict[str, str]:
+    """The DATAGEN_* env of `pipeline_env`, for fixtures of a wider scope that set it themselves."""
+    return {
         **local_s3.env(),
         "DATAGEN_S3_PREFIX": f"flow-{tmp_path.name}/",
         "DATAGEN_ENGINE": "standin",
@@ -45,6 +44,12 @@ def pipeline_env(monkeypatch: pytest.MonkeyPatch, local_s3: LocalS3, tmp_path: P
         "DATAGEN_STANDIN_LENGTH_MEAN": "120",
         "DATAGEN_STANDIN_LENGTH_MAX": "400",
     }
+
+
+@pytest.fixture
+def pipeline_env(monkeypatch: pytest.MonkeyPatch, local_s3: LocalS3, tmp_path: Path) -> dict[str, str]:
+    """Settings for a flow run on the session's S3 server under a fresh prefix, with two fast stand-in servers."""
+    env = pipeline_env_vars(local_s3, tmp_path)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     return env

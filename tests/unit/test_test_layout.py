@@ -1,15 +1,25 @@
-"""Every test file lives in tests/unit, tests/e2e or tests/conformance: pyproject's testpaths collect only those."""
+"""Every test file lives under one of pyproject's testpaths (tests/unit, e2e, conformance, consumers)."""
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
+REPO = TESTS.parent
 
 
-def test_no_test_file_sits_outside_the_three_test_folders() -> None:
-    stray = sorted(p.relative_to(TESTS.parent).as_posix() for p in TESTS.glob("test_*.py"))
+def test_no_test_file_sits_outside_the_collected_folders() -> None:
+    testpaths = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["pytest"]["ini_options"][
+        "testpaths"
+    ]
+    collected = [REPO / p for p in testpaths]
+    stray = sorted(
+        p.relative_to(REPO).as_posix()
+        for p in TESTS.rglob("test_*.py")
+        if not any(folder in p.parents for folder in collected)
+    )
     assert stray == [], (
         f"{stray} would never run: move each into tests/unit (no servers, in-process fakes) or tests/e2e "
-        "(real processes: stand-ins, S3, Prefect)"
+        f"(real processes: stand-ins, S3, Prefect), or add its folder to pyproject's testpaths ({testpaths})"
     )
