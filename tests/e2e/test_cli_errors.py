@@ -71,6 +71,8 @@ def test_run_failing_on_s3_prints_one_line_not_a_traceback(tmp_path: Path) -> No
             "DATAGEN_SKIP_GPU_CHECKS": "true",
             "DATAGEN_REQUIRE_TMPFS_MODEL": "false",
             "DATAGEN_WORK_DIR": str(tmp_path / "work"),
+            # The prompt file sits in tmp_path: the box's roots must hold it (issue 20's path confinement).
+            "DATAGEN_DATA_ROOTS": str(tmp_path),
         }
     )
     argv = [sys.executable, "-m", "datagen.cli", "run", "--config", str(config)]

@@ -111,7 +111,10 @@ def test_catalog_backfills_a_namespace_published_without_its_part(s3_store: Obje
     before = _snapshot(s3_store, "expansion_v1/")
     assert catalog.catalog_namespaces(s3_store) == []
 
+    # Naming the next namespace only reads; repair (run before every plan) writes the missing part.
     assert catalog.next_expansion_namespace(s3_store) == "expansion_v2"
+    assert catalog.catalog_namespaces(s3_store) == []
+    assert catalog.repair(s3_store) == ["expansion_v1"]
     part = pq.read_table(io.BytesIO(s3_store.get_bytes(catalog.part_key("expansion_v1")))).to_pylist()
     assert part == [
         {"prompt_id": "a1", "source": "chat", "category": "x", "status": "data", "reason": None},

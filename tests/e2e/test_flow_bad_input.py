@@ -127,7 +127,8 @@ def test_rows_that_fail_a_pre_generation_check_cost_no_generate_request(
 ) -> None:
     # Issue 23.2: every check that can run before generation runs there. A lone surrogate (used to crash
     # planning), a row over the token limit though under the length-only shortcut (counted in chunks), a tool
-    # turn: none reaches the server. The stand-in is attached by URL so its own counter says what it received.
+    # turn that answers no call (issue 21 loads tool turns; this one is malformed): none reaches the server.
+    # The stand-in is attached by URL so its own counter says what it received.
     rows = [
         '{"instruction": "broken \\ud800 text"}',
         json.dumps({"instruction": "word " * 40_000}),  # ~40K tokens > 7168, 200 KB < 7168 x 128 bytes
@@ -149,7 +150,7 @@ def test_rows_that_fail_a_pre_generation_check_cost_no_generate_request(
         assert _generate_requests(endpoint) == before
         rejects_file = Path(pipeline_env["DATAGEN_WORK_DIR"]) / "runs" / "prefail" / "load-rejects.jsonl"
         load_rejects = [json.loads(line) for line in rejects_file.read_text().splitlines()]
-        assert [r["reason"] for r in load_rejects] == ["invalid_unicode", "prompt_too_long", "unsupported_role"]
+        assert [r["reason"] for r in load_rejects] == ["invalid_unicode", "prompt_too_long", "bad_tool_turn"]
         # The same rows beside one good prompt: the run goes on, and the server gets exactly that one.
         done = expand_dataset(
             _spec(mixed, "premixed", QualityGate(max_reject_rate=0.8, min_median_completion_tokens=1))
