@@ -415,6 +415,14 @@ def test_the_worker_ignores_an_environment_smuggled_past_the_schema(target: Targ
         listener.close()
 
 
+def test_the_auth_string_is_in_no_log_or_database(target: Target) -> None:
+    # After every probe above: the server's database (SQLite + its WAL), the server's and the worker's logs.
+    secret = target.server.auth_string.split(":", 1)[1].encode()
+    files = [target.server.log_path, target.worker_log, *target.server.home.glob("*.db*")]
+    assert any(f.name.startswith("prefect.db") for f in files), files
+    assert [f for f in files if secret in f.read_bytes()] == []
+
+
 # --- the scripts --------------------------------------------------------------------------------------------------
 
 
