@@ -4,7 +4,8 @@
 #   PREFECT_API_URL=http://prefect-host:4200/api bash infra/deploy.sh
 # The server's auth string: PREFECT_API_AUTH_STRING, else the auth file (infra/prefect-auth.sh).
 # Optional: DATAGEN_WORK_POOL (default gpu-box-1, the pool prefect.yaml names), PREFECT_BIN;
-# DATAGEN_ALERT_WEBHOOK_URL or DATAGEN_ALERT_BLOCK (type/name): install the failed-run automation too.
+# DATAGEN_ALERT_WEBHOOK_URL or DATAGEN_ALERT_BLOCK (type/name): install the failed-run automation too;
+# DATAGEN_DEPLOY_RUN_SPEC=<run-spec.json>: its fields become every deployment's `spec` defaults (laptop.sh).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck source=infra/prefect-auth.sh
@@ -31,9 +32,13 @@ pool=${DATAGEN_WORK_POOL:-gpu-box-1}
 # resolve at deploy time, so with DATAGEN_HOME set here the deploying machine's path would be baked into
 # every deployment. Unset, the placeholder is stored as is and each worker resolves its own checkout.
 env -u DATAGEN_HOME "$prefect_bin" deploy --all --no-prompt
+python_bin="$(dirname "$prefect_bin")/python"
+[ -x "$python_bin" ] || python_bin=python3
+if [ -n "${DATAGEN_DEPLOY_RUN_SPEC:-}" ]; then
+  # Right after `prefect deploy` reset each deployment's parameters to prefect.yaml's: theirs win over the file's.
+  "$python_bin" -m datagen.deploy_defaults "$DATAGEN_DEPLOY_RUN_SPEC"
+fi
 if [ -n "${DATAGEN_ALERT_WEBHOOK_URL:-}" ] || [ -n "${DATAGEN_ALERT_BLOCK:-}" ]; then
-  python_bin="$(dirname "$prefect_bin")/python"
-  [ -x "$python_bin" ] || python_bin=python3
   if [ -n "${DATAGEN_ALERT_WEBHOOK_URL:-}" ]; then
     "$python_bin" -m datagen.alerts install --webhook-url "$DATAGEN_ALERT_WEBHOOK_URL"
   else
