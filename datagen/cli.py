@@ -127,7 +127,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         report = expand_dataset(spec, dry_run=args.dry_run)
     except (QualityGateError, PromptSourceError) as exc:
-        print(f"datagen: run failed: {exc}", file=sys.stderr)
+        # On the box, the whole gate report (with the reject files' paths) is useful; the run page gets the short one.
+        detail = exc.report.text if isinstance(exc, QualityGateError) and exc.report else exc
+        print(f"datagen: run failed: {detail}", file=sys.stderr)
         return 1
     print(summary_text(report))
     return 0
