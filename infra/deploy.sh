@@ -16,6 +16,8 @@ if [ -z "${PREFECT_API_URL:-}" ]; then
   exit 2
 fi
 datagen_client_auth "$PWD" deploy.sh
+# The run and deployment URLs Prefect prints open the V2 UI that DEPLOY.md describes (V1 without /v2).
+export PREFECT_UI_URL="${PREFECT_UI_URL:-${PREFECT_API_URL%/api}/v2}"
 # Prefect's client retries 408/429/502/503 and connection errors with 2**n s backoff; 7 tries (~4 min) ride out
 # a server whose SQLite is busy under load (default 5, ~1 min). An explicit setting wins.
 export PREFECT_CLIENT_MAX_RETRIES="${PREFECT_CLIENT_MAX_RETRIES:-7}"

@@ -335,6 +335,8 @@ def test_unsupported_server_flag_fails_the_environment_check_task_before_any_ser
     body = stack.alerts.wait_for(run["name"], "Failing task: check environment")
     assert "engine.attention_backend" in body and "fa3" in body, body
     assert "ended Failed" in body and flow_run_id in body, body
+    # Issue 25.5: a link to the run that opens the V2 UI (prefect-server.sh sets PREFECT_UI_URL on loopback).
+    assert f"{stack.server.url}/v2/runs/flow-run/{flow_run_id}" in body, body
 
 
 def test_server_that_dies_at_startup_fails_the_run_with_its_log_lines(stack: Stack) -> None:
