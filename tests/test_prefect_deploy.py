@@ -294,6 +294,11 @@ def test_rest_triggered_run_completes_and_publishes_with_artifacts(stack: Stack)
     assert task_names.get("generate shard-00000") == "COMPLETED", task_names
     assert task_names.get("generate shard-00001") == "COMPLETED", task_names
     assert set(task_names.values()) == {"COMPLETED"}, task_names
+    # Issue 25.5: one quality gate and one validation report per run (there were two identical ones).
+    gates = [n for n in task_names if n.rsplit("-", 1)[0] == "quality gate"]
+    assert len(gates) == 1, sorted(task_names)
+    keys = [a["key"] for a in stack.api.artifacts(flow_run_id)]
+    assert keys.count("validation-report") == 1, keys
 
     # The log has no line per shard task run (a 1,000-shard run would be a wall of "Finished in state
     # Completed()"); other task runs still log theirs. Logs ship in batches, after the state.
