@@ -322,8 +322,8 @@ def test_failed_run_page_shows_the_failing_task_and_message(ui_stack: UiStack, t
             _log_in(page, ui_stack, f"/v2/runs/flow-run/{flow_run_id}")
             page.get_by_text("expand ui-failed-run").first.wait_for(timeout=60_000)
             page.get_by_text("Failed", exact=True).first.wait_for(timeout=60_000)
-            # The failing task's name in the timeline: the page has loaded past its placeholders.
-            page.get_by_text("check environment", exact=False).first.wait_for(timeout=60_000)
+            # The page opens on Logs: the failure's exception is there once the logs have loaded.
+            page.get_by_text("EnvironmentCheckFailed", exact=False).first.wait_for(timeout=60_000)
             page.screenshot(path=str(SCREENSHOTS / "failed-run.png"))
             # Prefect 3.9's UI shows the state message in the Details tab (DEPLOY.md says so).
             page.get_by_role("tab", name="Details").click()
