@@ -127,8 +127,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except Exception as exc:
         if args.verbose:
             raise
+        from datagen.quality import QualityGateError
         from datagen.settings import Settings
 
+        if isinstance(exc, QualityGateError) and exc.report:
+            # On the box the whole gate report (reject files' paths included) helps; the run page gets the short one.
+            print(f"datagen: run failed: {exc.report.text}", file=sys.stderr)
+            return 1
         # The flow's log (and the Prefect UI) already holds the full trace: one line here says what to fix.
         print(f"datagen: run failed: {failure_line(exc, Settings().work_dir)}", file=sys.stderr)
         print("datagen: the full trace is in the flow's log above; `datagen run --verbose` raises it", file=sys.stderr)

@@ -492,6 +492,8 @@ class GateReport(BaseModel):
     passed: bool
     checks: list[GateCheck]
     evidence: list[str] = Field(default_factory=list, description="Distributions behind the failed checks.")
+    # Paths on the box that ran the gate: for the CLI's text, never in the run's state message or artifacts.
+    reject_files: list[str] = Field(default_factory=list, description="Reject rows (file, line, detail of each).")
 
     @property
     def failures(self) -> list[GateCheck]:
@@ -506,6 +508,18 @@ class GateReport(BaseModel):
             mark = "ok  " if c.passed else "FAIL"
             lines.append(f"  [{mark}] {c.name}: {c.message}")
         lines.extend(self.evidence)
+        if self.reject_files and not self.passed:
+            lines.append("  reject rows (file, line and detail of each): " + ", ".join(self.reject_files))
+        return "\n".join(lines)
+
+    @property
+    def summary(self) -> str:
+        """A few short lines for a failed run's state message: the failed checks and the reasons, no paths."""
+        head = "quality gate PASSED" if self.passed else f"quality gate FAILED ({len(self.failures)} check(s))"
+        lines = [head, *(f"- {c.name}: {c.message}" for c in self.failures)]
+        lines += [_clip(e.strip(), 240) for e in self.evidence[:3]]
+        if not self.passed:
+            lines.append("full report: the run's validation-report artifact")
         return "\n".join(lines)
 
     def raise_if_failed(self) -> None:
@@ -518,8 +532,13 @@ class QualityGateError(RuntimeError):
     """The dataset failed the quality gate; nothing may be published. `report` holds the evidence."""
 
     def __init__(self, report: GateReport | str) -> None:
-        super().__init__(report if isinstance(report, str) else report.text)
+        # Short: it becomes the task's and the run's state message, the first thing the run page shows.
+        super().__init__(report if isinstance(report, str) else report.summary)
         self.report = report if isinstance(report, GateReport) else None
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _mix_evidence(title: str, counts: dict[str, int], total: int) -> str:
@@ -578,8 +597,7 @@ def check_load_gate(
     evidence: list[str] = []
     if not passed:
         evidence.append(_reasons_line("load rejects by reason", load_rejects_by_reason, n_rows))
-        evidence.append(f"  every load reject, with file and line: {rejects_path}")
-    return GateReport(passed=passed, checks=checks, evidence=evidence)
+    return GateReport(passed=passed, checks=checks, evidence=evidence, reject_files=[rejects_path])
 
 
 def check_quality_gate(
@@ -640,8 +658,6 @@ def check_quality_gate(
         if downstream_rejects > sum(named_after.values()):
             reasons["tokenize (reasons not given)"] = downstream_rejects - sum(named_after.values())
         evidence.append(_reasons_line("rejects by reason", reasons, attempted))
-        if reject_paths:
-            evidence.append("  reject rows (file, line and detail of each): " + ", ".join(reject_paths))
 
     dist = summary.loss_tokens
     short = dist.share_at_most(gate.short_loss_tokens)
@@ -696,7 +712,9 @@ def check_quality_gate(
         if not ok:
             evidence.append(_mix_evidence(name.split("_")[0] + " mix", counts, n))
 
-    return GateReport(passed=all(c.passed for c in checks), checks=checks, evidence=evidence)
+    return GateReport(
+        passed=all(c.passed for c in checks), checks=checks, evidence=evidence, reject_files=list(reject_paths or [])
+    )
 
 
 def _bar(count: int, biggest: int, width: int = 40) -> str:

@@ -227,6 +227,7 @@ class RunSpec(BaseModel):
         pattern=_NAMESPACE_RE.pattern,
         description=(
             "Output namespace in the bucket; must not hold data already (publishing never overwrites). "
+            "1-128 letters, digits, '.', '_' or '-', starting with a letter or digit. "
             "'auto' picks the next free expansion_vN."
         ),
     )

@@ -238,16 +238,13 @@ def finish_dataset(
             for ready in stream.ready(result):
                 finish_shard_task(stream, ready)
     summary = close_validation_task(stream)
-    reject_paths = [
-        layout.load_rejects,
-        *(Path(r.rejects_path) for r in shard_results),
-        *(Path(p) for p in summary.reject_paths),
-    ]
-    upstream_reasons = validation.count_reject_reasons(reject_paths[: 1 + len(shard_results)])
-    gate_task(summary, spec.quality_gate, upstream_reasons, [str(p) for p in reject_paths], namespace=spec.namespace)
+    upstream_reasons = validation.count_reject_reasons(
+        [layout.load_rejects, *(Path(r.rejects_path) for r in shard_results)]
+    )
     tokenized = close_tokenization_task(stream)
-    # Rows can still fail the token round-trip check: the gate sees the final counts before anything ships.
-    # Their keys in the namespace, not local paths: the report is published, and must not change with the work dir.
+    # One gate, on the final counts (rows can still fail the token round-trip check), before anything ships:
+    # one `quality gate` task and one validation-report artifact per run. Reject files by their keys in the
+    # namespace, not local paths: the report is published, and must not change with the work dir.
     published_rejects = list(tokenized.reject_files)
     final = gate_task(
         summary,

@@ -4,7 +4,8 @@
 #   PREFECT_API_URL=http://prefect-host:4200/api bash infra/deploy.sh
 # The server's auth string: PREFECT_API_AUTH_STRING, else the auth file (infra/prefect-auth.sh).
 # Optional: DATAGEN_WORK_POOL (default gpu-box-1, the pool prefect.yaml names), PREFECT_BIN;
-# DATAGEN_ALERT_WEBHOOK_URL or DATAGEN_ALERT_BLOCK (type/name): install the failed-run automation too.
+# DATAGEN_ALERT_WEBHOOK_URL or DATAGEN_ALERT_BLOCK (type/name): install the failed-run automation too;
+# DATAGEN_DEPLOY_RUN_SPEC=<run-spec.json>: its fields become every deployment's `spec` defaults (laptop.sh).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck source=infra/prefect-auth.sh
@@ -15,6 +16,8 @@ if [ -z "${PREFECT_API_URL:-}" ]; then
   exit 2
 fi
 datagen_client_auth "$PWD" deploy.sh
+# The run and deployment URLs Prefect prints open the V2 UI that DEPLOY.md describes (V1 without /v2).
+export PREFECT_UI_URL="${PREFECT_UI_URL:-${PREFECT_API_URL%/api}/v2}"
 # Prefect's client retries 408/429/502/503 and connection errors with 2**n s backoff; 7 tries (~4 min) ride out
 # a server whose SQLite is busy under load (default 5, ~1 min). An explicit setting wins.
 export PREFECT_CLIENT_MAX_RETRIES="${PREFECT_CLIENT_MAX_RETRIES:-7}"
@@ -31,9 +34,13 @@ pool=${DATAGEN_WORK_POOL:-gpu-box-1}
 # resolve at deploy time, so with DATAGEN_HOME set here the deploying machine's path would be baked into
 # every deployment. Unset, the placeholder is stored as is and each worker resolves its own checkout.
 env -u DATAGEN_HOME "$prefect_bin" deploy --all --no-prompt
+python_bin="$(dirname "$prefect_bin")/python"
+[ -x "$python_bin" ] || python_bin=python3
+if [ -n "${DATAGEN_DEPLOY_RUN_SPEC:-}" ]; then
+  # Right after `prefect deploy` reset each deployment's parameters to prefect.yaml's: theirs win over the file's.
+  "$python_bin" -m datagen.deploy_defaults "$DATAGEN_DEPLOY_RUN_SPEC"
+fi
 if [ -n "${DATAGEN_ALERT_WEBHOOK_URL:-}" ] || [ -n "${DATAGEN_ALERT_BLOCK:-}" ]; then
-  python_bin="$(dirname "$prefect_bin")/python"
-  [ -x "$python_bin" ] || python_bin=python3
   if [ -n "${DATAGEN_ALERT_WEBHOOK_URL:-}" ]; then
     "$python_bin" -m datagen.alerts install --webhook-url "$DATAGEN_ALERT_WEBHOOK_URL"
   else

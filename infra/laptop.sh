@@ -21,7 +21,8 @@ if [ -z "${PREFECT_API_URL:-}" ]; then
 fi
 datagen_client_auth "$PWD" laptop.sh
 echo "registering the deployments on $PREFECT_API_URL ..."
-bash infra/deploy.sh
+# The laptop's run spec becomes every deployment's defaults: each one runs from the UI's Quick run as it is.
+DATAGEN_DEPLOY_RUN_SPEC=.datagen/laptop/run-spec.json bash infra/deploy.sh
 set -a
 # shellcheck disable=SC1091
 . .datagen/laptop/worker.env
@@ -30,6 +31,6 @@ export DATAGEN_WORKER_NAME=${DATAGEN_WORKER_NAME:-laptop-worker}
 auth_hint="PREFECT_API_AUTH_STRING=\"\$(cat $(datagen_auth_file "$PWD"))\""
 [ -f "$(datagen_auth_file "$PWD")" ] || auth_hint="PREFECT_API_AUTH_STRING=<the server's auth string>"
 echo "starting the worker; runs: UI ${PREFECT_API_URL%/api}/ (auth string: $(datagen_auth_file "$PWD"))"
-echo "  -> Deployments -> manual -> Run, or"
+echo "  -> Deployments -> any of them -> Run -> Quick run (the laptop's run spec is their default), or"
 echo "  PREFECT_API_URL=$PREFECT_API_URL $auth_hint .venv/bin/prefect deployment run expand-dataset/manual --params \"\$(cat .datagen/laptop/run-spec.json)\" --watch"
 exec bash infra/prefect-worker.sh

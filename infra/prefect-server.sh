@@ -46,6 +46,11 @@ secure_server_env() {
     fi
     export PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS
   fi
+  # The links the server renders (an alert's `flow_run|ui_url`) need PREFECT_UI_URL; on loopback it is known.
+  # /v2: Prefect serves V1 under every path but "/", so links without it open the V1 UI (DEPLOY.md, section 2).
+  if [ -z "${PREFECT_UI_URL:-}" ] && { [ "$host" = 127.0.0.1 ] || [ "$host" = localhost ]; }; then
+    export PREFECT_UI_URL="http://127.0.0.1:$port/v2"
+  fi
   case ",$PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS," in
     *,\*,*) echo "prefect-server.sh: PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS must name origins, not *" >&2; exit 2 ;;
   esac

@@ -17,6 +17,8 @@ if [ -z "${PREFECT_API_URL:-}" ]; then
   exit 2
 fi
 datagen_client_auth "$here" prefect-worker.sh
+# The run and deployment URLs Prefect prints open the V2 UI that DEPLOY.md describes (V1 without /v2).
+export PREFECT_UI_URL="${PREFECT_UI_URL:-${PREFECT_API_URL%/api}/v2}"
 # prefect.yaml's pull step moves each flow run into $DATAGEN_HOME: the checkout with datagen installed.
 export DATAGEN_HOME="${DATAGEN_HOME:-$here}"
 if [ ! -f "$DATAGEN_HOME/prefect.yaml" ]; then

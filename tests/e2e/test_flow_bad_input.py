@@ -68,7 +68,9 @@ def test_input_whose_every_row_is_rejected_fails_before_servers_with_reasons(
     runs = _task_runs(state, "quality gate on load rejects")
     assert _failed(runs) == ["quality gate on load rejects"]
     message = runs["quality gate on load rejects"].state.message  # type: ignore[union-attr]
-    assert "invalid_json=6 (85.7%)" in message and "load-rejects.jsonl" in message
+    assert "invalid_json=6 (85.7%)" in message
+    # Issue 25.3: the message is the run page's first text: no worker-local paths a browser cannot open.
+    assert "load-rejects.jsonl" not in message and str(tmp_path) not in message, message
     assert not any(name.startswith(("start servers", "generate")) for name in runs)
 
 
@@ -100,6 +102,13 @@ def test_failed_quality_gate_is_the_red_task_with_the_report(
     assert _failed(runs) == ["quality gate"]
     message = runs["quality gate"].state.message  # type: ignore[union-attr]
     assert "quality gate FAILED" in message and "median_completion_tokens" in message
+    # Issue 25.3/25.5: short, no reject-file paths, and one gate task and one validation report per run.
+    assert "rejects.jsonl" not in message and len(message.splitlines()) <= 8, message
+    with get_client(sync_client=True) as client:
+        all_runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+        )  # type: ignore[list-item]
+    assert [r.name.rsplit("-", 1)[0] for r in all_runs].count("quality gate") == 1, [r.name for r in all_runs]
     assert runs["validation summary"].state.is_completed()  # type: ignore[union-attr]
     shards = [r for name, r in runs.items() if name.startswith("validate+tokenize shard")]
     assert shards and all(r.state.is_completed() for r in shards)  # type: ignore[union-attr]

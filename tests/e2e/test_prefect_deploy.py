@@ -294,6 +294,11 @@ def test_rest_triggered_run_completes_and_publishes_with_artifacts(stack: Stack)
     assert task_names.get("generate shard-00000") == "COMPLETED", task_names
     assert task_names.get("generate shard-00001") == "COMPLETED", task_names
     assert set(task_names.values()) == {"COMPLETED"}, task_names
+    # Issue 25.5: one quality gate and one validation report per run (there were two identical ones).
+    gates = [n for n in task_names if n.rsplit("-", 1)[0] == "quality gate"]
+    assert len(gates) == 1, sorted(task_names)
+    keys = [a["key"] for a in stack.api.artifacts(flow_run_id)]
+    assert keys.count("validation-report") == 1, keys
 
     # The log has no line per shard task run (a 1,000-shard run would be a wall of "Finished in state
     # Completed()"); other task runs still log theirs. Logs ship in batches, after the state.
@@ -335,6 +340,8 @@ def test_unsupported_server_flag_fails_the_environment_check_task_before_any_ser
     body = stack.alerts.wait_for(run["name"], "Failing task: check environment")
     assert "engine.attention_backend" in body and "fa3" in body, body
     assert "ended Failed" in body and flow_run_id in body, body
+    # Issue 25.5: a link to the run that opens the V2 UI (prefect-server.sh sets PREFECT_UI_URL on loopback).
+    assert f"{stack.server.url}/v2/runs/flow-run/{flow_run_id}" in body, body
 
 
 def test_server_that_dies_at_startup_fails_the_run_with_its_log_lines(stack: Stack) -> None:
@@ -400,3 +407,31 @@ def test_rerun_whose_shards_are_all_generated_starts_no_server(stack: Stack) -> 
     logs = stack.api.wait_for_log(again, "no servers started")
     assert "all 2 shards are already generated" in logs, logs
     assert "0 done" not in logs, logs
+
+
+def test_laptop_run_spec_is_every_deployments_default_so_quick_run_works(stack: Stack) -> None:
+    # Issue 25.1: the deployments kept production defaults (/dev/shm model, 262144 context): a Quick run of
+    # scheduled-expansion failed on the laptop it was deployed from. Last in the module: it redeploys.
+    run_spec = stack.root / "laptop-run-spec.json"
+    # As `datagen laptop` writes it: namespace auto, so every Quick run takes the next free expansion_vN.
+    fields = fast_spec(stack, "auto", skip_published=False)
+    run_spec.write_text(json.dumps({"spec": fields}), encoding="utf-8")
+    output = run_deploy(stack.server, stack.root / "cli-home", {"DATAGEN_DEPLOY_RUN_SPEC": str(run_spec)})
+    assert "is now the run spec default of" in output, output
+    quick_runs = [
+        ("expand-dataset", "manual"),
+        ("expand-dataset", "scheduled-expansion"),
+        ("check-environment", "environment-check"),
+        ("pilot", "pilot"),
+    ]
+    for flow, name in quick_runs:
+        spec = stack.api.deployment(flow, name)["parameters"]["spec"]
+        assert spec["model_path"] == str(stack.model_dir) and spec["context_length"] == 4096, (name, spec)
+        assert spec["namespace"] == "auto", spec
+        # prefect.yaml's own values for a deployment win over the file's.
+        assert spec["skip_published"] is (name == "scheduled-expansion"), (name, spec)
+    # A Quick run sends no parameters: the deployment's defaults are the run's.
+    for flow, name in quick_runs:
+        flow_run_id = _start(stack, name, {}, flow=flow)
+        run = stack.api.wait_for_flow_run(flow_run_id, RUN_TIMEOUT_S, diagnostics=stack.worker_log)
+        assert run["state_type"] == "COMPLETED", f"{flow}/{name}: " + _failure_report(stack, flow_run_id, run)

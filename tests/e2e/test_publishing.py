@@ -60,9 +60,10 @@ def test_publish_layout_and_manifest(s3_store: ObjectStore, tmp_path: Path) -> N
     assert result.uri == s3_store.uri("ds1/")
     assert result.manifest_key == f"ds1/{MANIFEST_NAME}"
     assert result.written[-1] == result.manifest_key  # manifest last
-    assert result.objects == len(stored) and result.bytes == sum(len(b) for b in stored.values())
-
     manifest = json.loads(stored[f"ds1/{MANIFEST_NAME}"])
+    # Issue 25.5: the run's dataset link and `datagen inspect` (the manifest's total_bytes) give one size.
+    assert result.objects == len(stored) and result.bytes == manifest["total_bytes"]
+    assert result.bytes == sum(len(b) for k, b in stored.items() if k != f"ds1/{MANIFEST_NAME}")
     listed = [o["key"] for o in manifest["objects"]]
     assert sorted(listed) == sorted([*staged, CLAIM_NAME]) and len(listed) == len(set(listed))
     for entry in manifest["objects"]:

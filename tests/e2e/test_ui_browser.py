@@ -5,6 +5,7 @@ Needs Debian's chromium (`apt-get install -y chromium`); Playwright drives it (n
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -85,9 +86,14 @@ def ui_stack(tmp_path_factory: pytest.TempPathFactory, local_s3: LocalS3) -> Ite
     root = tmp_path_factory.mktemp("prefect-ui")
     s3_prefix = f"{root.name}/"
     env = worker_env(local_s3, s3_prefix, root / "work", length_mean=120, length_max=400)
+    prompts = write_prompts(root / "prompts.jsonl", PROMPTS)
+    model_dir = ensure_model_dir()
+    # As infra/laptop.sh deploys: the laptop's run spec is every deployment's default (issue 25.1).
+    run_spec = root / "run-spec.json"
+    run_spec.write_text(json.dumps({"spec": _laptop_spec(prompts, model_dir)}), encoding="utf-8")
     with ExitStack() as stack:
         server = stack.enter_context(prefect_server(root / "prefect"))
-        run_deploy(server, root / "cli-home")
+        run_deploy(server, root / "cli-home", {"DATAGEN_DEPLOY_RUN_SPEC": str(run_spec)})
         worker_log = root / "worker.log"
         # Runs started from the UI get no per-run environment: the worker's is theirs.
         env["DATAGEN_BASE_PORT"] = str(free_port())
@@ -99,10 +105,25 @@ def ui_stack(tmp_path_factory: pytest.TempPathFactory, local_s3: LocalS3) -> Ite
             api=api,
             store=ObjectStore.from_settings(local_s3.settings(s3_prefix=s3_prefix)),
             worker_log=worker_log,
-            prompts=write_prompts(root / "prompts.jsonl", PROMPTS),
-            model_dir=ensure_model_dir(),
+            prompts=prompts,
+            model_dir=model_dir,
             artifacts_dir=root,
         )
+
+
+def _laptop_spec(prompts: Path, model_dir: Path) -> dict[str, Any]:
+    """A run spec shaped like `datagen laptop`'s: namespace auto, small shards, a gate the stand-in passes."""
+    return {
+        "sources": [{"path": str(prompts)}],
+        "model_path": str(model_dir),
+        "namespace": "auto",
+        "skip_published": False,
+        "shard_size": 2,
+        "context_length": 8192,
+        "sampling": {"max_new_tokens": 1024},
+        "validation": {"min_answer_tokens": 0, "reject_truncated": False},
+        "quality_gate": {"max_reject_rate": 1.0, "max_short_share": 1.0, "min_median_completion_tokens": 0},
+    }
 
 
 def test_run_started_from_the_ui_form_completes(ui_stack: UiStack, tmp_path: Path) -> None:
@@ -195,6 +216,57 @@ def test_run_started_from_the_ui_form_completes(ui_stack: UiStack, tmp_path: Pat
     assert ui_stack.store.exists(f"{namespace}/manifest.json")
 
 
+QUICK_RUNS = [
+    ("expand-dataset", "manual"),
+    ("expand-dataset", "scheduled-expansion"),
+    ("check-environment", "environment-check"),
+    ("pilot", "pilot"),
+]
+
+
+def test_quick_run_of_every_deployment_completes_on_the_laptop_defaults(ui_stack: UiStack, tmp_path: Path) -> None:
+    # Issue 25.1: a Quick run of scheduled-expansion failed with the production model path on a laptop.
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch_persistent_context(
+            tmp_path / "chromium-profile",
+            executable_path=_chromium(),
+            args=CHROMIUM_ARGS,
+            viewport={"width": 1400, "height": 1000},
+        )
+        page = browser.new_page()
+        try:
+            for i, (flow, name) in enumerate(QUICK_RUNS):
+                deployment = ui_stack.api.deployment(flow, name)
+                before = {r["id"] for r in ui_stack.api.flow_runs(deployment["id"])}
+                path = f"/v2/deployments/deployment/{deployment['id']}"
+                if i == 0:
+                    _log_in(page, ui_stack, path)
+                else:
+                    page.goto(f"{ui_stack.server.url}{path}")
+                page.get_by_role("button", name="Run", exact=True).click()
+                page.get_by_role("menuitem", name="Quick run", exact=True).click()
+                flow_run = _wait_for_new_run(ui_stack.api, deployment["id"], before, timeout=180.0)
+                run = ui_stack.api.wait_for_flow_run(flow_run["id"], RUN_TIMEOUT_S, diagnostics=ui_stack.worker_log)
+                state = run["state"] and run["state"]["message"]
+                assert run["state_type"] == "COMPLETED", f"{flow}/{name}: {state}"
+        except (AssertionError, PlaywrightTimeout):
+            page.screenshot(path=str(ui_stack.artifacts_dir / "ui-failure-quick-run.png"), full_page=True)
+            raise
+        finally:
+            browser.close()
+
+
+def _wait_for_new_run(api: PrefectApi, deployment_id: str, before: set[str], timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        new = [r for r in api.flow_runs(deployment_id) if r["id"] not in before]
+        if new:
+            return new[0]
+        if time.monotonic() > deadline:
+            raise AssertionError("Quick run created no flow run")
+        time.sleep(0.5)
+
+
 def _log_in(page: Page, ui_stack: UiStack, path: str) -> None:
     """Log in as a person does (the UI's login box takes the server's auth string), then open `path`."""
     # The login page itself calls nothing that needs the string. Opening another page first would: its
@@ -250,6 +322,8 @@ def test_failed_run_page_shows_the_failing_task_and_message(ui_stack: UiStack, t
             _log_in(page, ui_stack, f"/v2/runs/flow-run/{flow_run_id}")
             page.get_by_text("expand ui-failed-run").first.wait_for(timeout=60_000)
             page.get_by_text("Failed", exact=True).first.wait_for(timeout=60_000)
+            # The page opens on Logs: the failure's exception is there once the logs have loaded.
+            page.get_by_text("EnvironmentCheckFailed", exact=False).first.wait_for(timeout=60_000)
             page.screenshot(path=str(SCREENSHOTS / "failed-run.png"))
             # Prefect 3.9's UI shows the state message in the Details tab (DEPLOY.md says so).
             page.get_by_role("tab", name="Details").click()
