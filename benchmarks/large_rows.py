@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import resource
 import subprocess
@@ -23,6 +21,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.tokenization import _machine  # one description of the machine for every benchmark
 
 WORDS = [
     "the",
@@ -137,18 +137,6 @@ def _row_file(directory: Path, mb: int) -> Path:
     path = directory / f"row-{mb}mb.jsonl"
     path.write_text(json.dumps({"instruction": "".join(parts)[:target]}) + "\n", encoding="utf-8")
     return path
-
-
-def _machine() -> dict[str, str | int | None]:
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
 
 
 def main(argv: list[str] | None = None) -> None:
