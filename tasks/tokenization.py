@@ -362,6 +362,8 @@ class TokenizationSummary(BaseModel):
             num_loss_tokens=self.loss_tokens.total,
             num_rejects=self.rejects_total,
             num_files=len(self.data_files),
+            num_conversations=self.conversations,
+            num_turns=self.turns,
         )
 
 

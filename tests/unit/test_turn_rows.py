@@ -293,3 +293,25 @@ def test_last_mode_lines_carry_no_turn_fields(chat: ChatTokenizer) -> None:
     assert not {"step", "turn_index", "bridge_ids", "outcome"} & body.keys()
     last = json.loads(three_turn_tool_conversation(chat).steps[-1].to_json())
     assert list(last)[-3:] == ["step", "turn_index", "outcome"] and last["outcome"] == "complete"
+
+
+def test_the_dataset_card_counts_conversations_and_turns(chat: ChatTokenizer, tmp_path: Path) -> None:
+    """Every turn: the card says how many conversations and user turns; a `last` card has no such counts."""
+    import yaml
+
+    from datagen.dataset_card import Lineage, write_dataset_card
+    from datagen.runspec import SamplingSpec
+
+    _, _, _, summary = _run(tmp_path, chat, three_turn_tool_conversation(chat).steps)
+    lineage = Lineage(model_fingerprint="f", template_hash="t")
+    card = write_dataset_card(
+        tmp_path / "card", namespace="ns", model="m", sampling=SamplingSpec(), lineage=lineage, sizes=summary.sizes()
+    ).read_text(encoding="utf-8")
+    front = yaml.safe_load(card.split("---\n")[1])
+    assert front["datagen"]["sizes"]["num_conversations"] == 1 and front["datagen"]["sizes"]["num_turns"] == 3
+    assert "- conversations: 1, user turns: 3\n- rows: 3," in card
+    single = summary.model_copy(update={"conversations": 0, "turns": 0})
+    plain = write_dataset_card(
+        tmp_path / "plain", namespace="ns", model="m", sampling=SamplingSpec(), lineage=lineage, sizes=single.sizes()
+    ).read_text(encoding="utf-8")
+    assert "num_conversations" not in plain and "Each row of `data/` is one conversation:" in plain
