@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from datagen.chat import IM_END_ID, ChatTokenizer
 from datagen.conversation_export import assistant_turn
 from datagen.records import Completion, Message, TokenRow
+from datagen.runspec import SamplingSpec, ValidationSpec
 from datagen.toolcalls import parse_tool_calls
+from tasks.tokenization import TokenizationSummary, tokenize_accepted
+from tasks.validation import validate_shards
 
 __all__ = [
     "WEATHER_TOOLS",
@@ -27,6 +31,7 @@ __all__ = [
     "Turn",
     "build_conversation",
     "check_segment_rows",
+    "stage_steps",
     "template_ids",
     "three_turn_tool_conversation",
 ]
@@ -242,3 +247,23 @@ def check_segment_rows(chat: ChatTokenizer, rows: list[TokenRow], built: Built) 
         assert row.loss_mask == mask, f"segment {k}: loss mask is not exactly the generated spans"
         assert row.num_loss_spans == len(steps) and row.span_finish_reasons == [s.finish_reason for s in steps]
         assert row.conversation_id == built.steps[0].prompt_id
+
+
+def stage_steps(
+    chat: ChatTokenizer, steps: list[Completion], work: Path, spec: ValidationSpec | None = None
+) -> tuple[Path, TokenizationSummary]:
+    """Validate and tokenize one shard of step lines as a run does; return the staging dir (with its card)."""
+    from datagen.dataset_card import Lineage, write_dataset_card
+
+    shard = work / "shard-00000.completions.jsonl"
+    shard.write_text("".join(c.to_json() + "\n" for c in steps), encoding="utf-8")
+    summary = validate_shards([shard], work / "validated", spec or ValidationSpec(), True)
+    staging = work / "staging"
+    tokenized = tokenize_accepted(
+        [Path(p) for p in summary.accepted_paths], staging, chat, True, extra_reject_paths=summary.reject_paths
+    )
+    lineage = Lineage(model_fingerprint=chat.fingerprint, template_hash=chat.template_hash)
+    write_dataset_card(
+        staging, namespace=work.name, model="fixture", sampling=SamplingSpec(), lineage=lineage, sizes=tokenized.sizes()
+    )
+    return staging, tokenized

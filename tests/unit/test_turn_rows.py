@@ -17,8 +17,7 @@ from datagen.chat import ChatTokenizer
 from datagen.model_fixture import ensure_model_dir
 from datagen.records import Completion, Reject, TokenRow
 from datagen.runspec import ValidationSpec
-from tasks.tokenization import TokenizationSummary, tokenize_accepted
-from tasks.validation import validate_shards
+from tasks.tokenization import TokenizationSummary
 from tests.turn_fixtures import (
     WEATHER_TOOLS,
     Built,
@@ -26,6 +25,7 @@ from tests.turn_fixtures import (
     Turn,
     build_conversation,
     check_segment_rows,
+    stage_steps,
     template_ids,
     three_turn_tool_conversation,
 )
@@ -40,13 +40,7 @@ def _run(
     tmp_path: Path, chat: ChatTokenizer, steps: list[Completion], spec: ValidationSpec | None = None
 ) -> tuple[list[TokenRow], list[Reject], list[dict], TokenizationSummary]:
     """Validate and tokenize one shard of step lines; return its rows, every reject and the published lines."""
-    shard = tmp_path / "shard-00000.completions.jsonl"
-    shard.write_text("".join(c.to_json() + "\n" for c in steps), encoding="utf-8")
-    summary = validate_shards([shard], tmp_path / "validated", spec or ValidationSpec(), True)
-    staging = tmp_path / "staging"
-    tokenized = tokenize_accepted(
-        [Path(p) for p in summary.accepted_paths], staging, chat, True, extra_reject_paths=summary.reject_paths
-    )
+    staging, tokenized = stage_steps(chat, steps, tmp_path, spec)
     table = pq.read_table(sorted((staging / "data").glob("*.parquet"))).to_pylist()
     rows = [TokenRow(**{k: v for k, v in r.items()}) for r in table]
     rejects = [Reject(**r) for r in pq.read_table(sorted((staging / "rejects").glob("*.parquet"))).to_pylist()]
