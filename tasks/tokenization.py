@@ -119,12 +119,17 @@ def _check_token_exact(
     decoded = chat.decode(prompt_ids)
     if decoded != prompt_text:
         raise RowRejected("prompt_decode_mismatch", _first_difference(decoded, prompt_text))
+    _check_completion_decode(c, chat)
+    return prompt_ids + c.output_ids, len(prompt_ids)
+
+
+def _check_completion_decode(c: Completion, chat: ChatTokenizer, at: str = "") -> None:
+    """The output ids decode to the server's text, or RowRejected (`at`: where, for the detail)."""
     body = completion_body(c)
     text = chat.decode(body)
     # The server may decode with skip_special_tokens; either rendering of the same ids proves they match.
     if text != c.text and chat.decode(body, skip_special_tokens=True) != c.text:
-        raise RowRejected("completion_decode_mismatch", _first_difference(text, c.text))
-    return prompt_ids + c.output_ids, len(prompt_ids)
+        raise RowRejected("completion_decode_mismatch", at + _first_difference(text, c.text))
 
 
 def build_token_exact(c: Completion, chat: ChatTokenizer, enable_thinking: bool) -> TokenRow:
@@ -237,10 +242,7 @@ def build_segment_row(
             raise RowRejected(
                 reason, f"{at}: the ids do not decode to the template's render: " + _first_difference(decoded, text)
             )
-        body = completion_body(c)
-        out = chat.decode(body)
-        if out != c.text and chat.decode(body, skip_special_tokens=True) != c.text:
-            raise RowRejected("completion_decode_mismatch", f"{at}: " + _first_difference(out, c.text))
+        _check_completion_decode(c, chat, f"{at}: ")
         ids = ids + c.output_ids
         mask = mask + [1] * len(c.output_ids)
         turns.append(assistant_turn(c, enable_thinking))
@@ -580,7 +582,11 @@ class StreamingTokenizer:
             summary.rows_by_category[cat] = summary.rows_by_category.get(cat, 0) + 1
 
     def _add_conversation(self) -> None:
-        """Tokenize the every-turn conversation gathered so far: its segment rows and one published line."""
+        """Tokenize the every-turn conversation gathered so far: its segment rows and one published line.
+
+        Always token-exact (`rerender` applies to `last` rows only): a continuing step's prompt is what the server
+        was sent, ids the model generated included, which a re-tokenized rendering need not reproduce.
+        """
         steps, self._steps = self._steps, []
         built = build_conversation_rows(steps, self.chat, self.enable_thinking)
         for r in built.rejects:

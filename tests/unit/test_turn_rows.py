@@ -255,6 +255,7 @@ def test_a_missing_step_cuts_the_conversation(chat: ChatTokenizer, tmp_path: Pat
         ("bridge_ids", None, "bridge_mismatch"),
         ("bridge_ids", [271], "bridge_mismatch"),
         ("messages", [], "history_mismatch"),
+        ("text", "", "completion_decode_mismatch"),
     ],
 )
 def test_a_continuing_step_that_does_not_extend_the_row_is_a_tokenize_reject(
@@ -267,6 +268,8 @@ def test_a_continuing_step_that_does_not_extend_the_row_is_a_tokenize_reject(
         value = step.prompt_tokens + 1
     elif field == "bridge_ids" and value == [271]:
         value = [271, *(step.bridge_ids or [])[1:]]  # "\n\n" where the template writes "\n": same length
+    elif field == "text":
+        value = step.text.replace("Paris", "Rome")
     elif field == "messages":
         value = [m for m in step.messages if m.role != "assistant"]
     steps = [*built.steps[:3], replace(step, **{field: value}), *built.steps[4:]]
