@@ -33,6 +33,7 @@ __all__ = [
     "assistant_turn",
     "conversation_record",
     "split_reasoning",
+    "steps_record",
 ]
 
 CONVERSATIONS_DIR = "conversations"
@@ -99,6 +100,21 @@ def conversation_record(c: Completion, enable_thinking: bool) -> dict[str, Any]:
     }
     if c.tools is not None:
         record["tools"] = json.dumps(c.tools, ensure_ascii=False)
+    return record
+
+
+def steps_record(steps: list[Completion], enable_thinking: bool, outcome: str | None) -> dict[str, Any]:
+    """An every-turn conversation as one published line: the last kept step's history plus its generated turn.
+
+    That history already holds every earlier kept step as an assistant turn (content, reasoning, calls) with the
+    recorded tool turns spliced between them, and the system and user turns (tokenization checks it against the
+    steps). `outcome` (why the conversation ended, docs/conversations.md) is a key SpecForge and speculators do
+    not read; omitted when unknown (a conversation whose next step generation rejected: its reject row says why).
+    """
+    last = steps[-1]
+    record = conversation_record(last, enable_thinking)
+    if outcome is not None:
+        record["outcome"] = outcome
     return record
 
 

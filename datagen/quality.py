@@ -76,6 +76,9 @@ VALIDATION_REASONS: tuple[str, ...] = (
     "repetition",  # prose 8-grams recurring 5+ times over max_loop_coverage, or most 8-grams repeat: a loop in pieces
     "duplicate_request",  # the same request key twice (a checkpoint written twice)
     "duplicate_completion",  # the same output ids for a different prompt
+    # Every-turn conversations (datagen/segments.py): a conversation is cut at its first failing step.
+    "earlier_turn_rejected",  # a user turn after the one that cut its conversation
+    "missing_step",  # the conversation's steps do not follow 0, 1, 2, ... (a step line is missing)
 )
 
 

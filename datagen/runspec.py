@@ -46,7 +46,11 @@ RETRYABLE_REASONS = frozenset(
         "repetition",
         "duplicate_request",
         "duplicate_completion",
+        "earlier_turn_rejected",
+        "missing_step",
         # tokenize
+        "bridge_mismatch",
+        "history_mismatch",
         "prompt_token_mismatch",
         "prompt_decode_mismatch",
         "completion_decode_mismatch",

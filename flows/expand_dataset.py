@@ -476,6 +476,8 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         "rows": tokenized.n_rows,
         "rejects": tokenized.n_rejects,
         "rejects_by_reason": tokenized.rejects_by_reason,
+        # Every turn only (a `last` run's manifest is unchanged): conversations/ lines and their user turns.
+        **({"conversations": tokenized.conversations, "turns": tokenized.turns} if tokenized.conversations else {}),
     }
     published = publish_dataset(spec, layout, store, lineage, dry_run)
     clock.mark("publish")

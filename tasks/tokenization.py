@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from itertools import chain
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -29,19 +29,23 @@ from pydantic import BaseModel, Field
 
 from datagen.chat import ChatTokenizer, TemplateError
 from datagen.checkpoint import read_lines
-from datagen.conversation_export import ConversationWriter, conversation_record
+from datagen.conversation_export import ConversationWriter, assistant_turn, conversation_record, steps_record
 from datagen.dataset_card import DatasetSizes
 from datagen.quality import NO_CATEGORY, TokenDistribution, completion_body
 from datagen.records import REJECT_SCHEMA, TOKEN_ROW_SCHEMA, Completion, Message, Reject, TokenRow
+from datagen.segments import CUT_META_KEY, EARLIER_TURN_REJECTED, Segment, cut_outcome, is_step, segments, where
 from tasks.validation import MalformedRecord, iter_jsonl_completions
 
 __all__ = [
     "TOKENIZE_REASONS",
+    "ConversationRows",
     "RowRejected",
     "StreamingTokenizer",
     "TokenizationMode",
     "TokenizationSummary",
+    "build_conversation_rows",
     "build_rerendered",
+    "build_segment_row",
     "build_token_exact",
     "tokenize_accepted",
 ]
@@ -51,7 +55,10 @@ TokenizationMode = Literal["token_exact", "rerender"]
 TOKENIZE_REASONS: tuple[str, ...] = (
     "malformed_record",
     "template_error",  # the chat template refused the conversation
-    "prompt_token_mismatch",  # our prompt ids differ in length from what the server counted
+    "prompt_token_mismatch",  # our prompt ids differ in length from what the server counted (every turn: any step)
+    "bridge_mismatch",  # every turn: a continuing step's prompt is not the ids before it + bridge ids as rendered
+    "history_mismatch",  # every turn: a step's history is not the assistant turns generated before it
+    "earlier_turn_rejected",  # every turn: a segment after the one that cut its conversation
     "prompt_decode_mismatch",  # the prompt ids do not decode back to the rendered prompt
     "completion_decode_mismatch",  # output ids do not decode to the server's text
     "rerender_unsupported",  # rerender mode: truncated completion or no </think> to split at
@@ -112,12 +119,17 @@ def _check_token_exact(
     decoded = chat.decode(prompt_ids)
     if decoded != prompt_text:
         raise RowRejected("prompt_decode_mismatch", _first_difference(decoded, prompt_text))
+    _check_completion_decode(c, chat)
+    return prompt_ids + c.output_ids, len(prompt_ids)
+
+
+def _check_completion_decode(c: Completion, chat: ChatTokenizer, at: str = "") -> None:
+    """The output ids decode to the server's text, or RowRejected (`at`: where, for the detail)."""
     body = completion_body(c)
     text = chat.decode(body)
     # The server may decode with skip_special_tokens; either rendering of the same ids proves they match.
     if text != c.text and chat.decode(body, skip_special_tokens=True) != c.text:
-        raise RowRejected("completion_decode_mismatch", _first_difference(text, c.text))
-    return prompt_ids + c.output_ids, len(prompt_ids)
+        raise RowRejected("completion_decode_mismatch", at + _first_difference(text, c.text))
 
 
 def build_token_exact(c: Completion, chat: ChatTokenizer, enable_thinking: bool) -> TokenRow:
@@ -173,6 +185,140 @@ def build_rerendered(c: Completion, chat: ChatTokenizer, enable_thinking: bool) 
     return _row(c, ids, mask, n_prompt)
 
 
+def _assistant_view(m: Message) -> tuple[str, str | None, list[tuple[str, Any]]]:
+    """What the template renders of an assistant turn: text, reasoning, calls (ids are the engine's business)."""
+    calls = [(c.name, c.arguments) for c in m.tool_calls or ()]
+    return m.text, m.reasoning_content, calls
+
+
+def build_segment_row(
+    seg: Segment, chat: ChatTokenizer, enable_thinking: bool, earlier: list[Message]
+) -> tuple[TokenRow, list[Message]]:
+    """One user turn's row: its first prompt, then each step's output ids and the next step's bridge ids.
+
+    Loss 1 exactly on the output ids. Verified like a token-exact row: the first prompt renders to the tokens
+    the server counted and decodes back; each continuing step's server count equals the ids built so far, which
+    decode to the template's render of that step's history (so the row is what the template renders); each
+    output decodes to the server's text; each step's history holds exactly the assistant turns generated before
+    it (`earlier`). Returns the row and the assistant turns including this segment's; raises RowRejected.
+    """
+    first = seg.steps[0]
+    tools = first.tools
+    turns = list(earlier)
+    ids: list[int] = []
+    mask: list[int] = []
+    for j, c in enumerate(seg.steps):
+        at = where(c)
+        history = [_assistant_view(m) for m in c.messages if m.role == "assistant"]
+        if history != [_assistant_view(m) for m in turns]:
+            raise RowRejected(
+                "history_mismatch",
+                f"{at}: the history holds {len(history)} assistant turns that are not the {len(turns)} generated "
+                "before this step",
+            )
+        try:
+            text = chat.render(c.messages, enable_thinking, tools)
+        except TemplateError as exc:
+            raise RowRejected("template_error", f"{at}: {exc}") from exc
+        if j == 0:
+            if c.bridge_ids is not None:
+                raise RowRejected("bridge_mismatch", f"{at}: the first step of a user turn has bridge ids")
+            ids = chat.encode(text)
+            mask = [0] * len(ids)
+        else:
+            if c.bridge_ids is None:
+                raise RowRejected("bridge_mismatch", f"{at}: a continuing step without bridge ids")
+            ids = ids + c.bridge_ids
+            mask = mask + [0] * len(c.bridge_ids)
+        if len(ids) != c.prompt_tokens:
+            raise RowRejected(
+                "prompt_token_mismatch",
+                f"{at}: {len(ids)} prompt tokens built here, the server counted {c.prompt_tokens} "
+                f"(template {chat.template_hash})",
+            )
+        decoded = chat.decode(ids)
+        if decoded != text:
+            reason = "prompt_decode_mismatch" if j == 0 else "bridge_mismatch"
+            raise RowRejected(
+                reason, f"{at}: the ids do not decode to the template's render: " + _first_difference(decoded, text)
+            )
+        _check_completion_decode(c, chat, f"{at}: ")
+        ids = ids + c.output_ids
+        mask = mask + [1] * len(c.output_ids)
+        turns.append(assistant_turn(c, enable_thinking))
+    n_prompt = first.prompt_tokens
+    last = seg.steps[-1]
+    row = TokenRow(
+        prompt_id=first.prompt_id,
+        source=first.source,
+        input_ids=ids,
+        loss_mask=mask,
+        prompt_tokens=n_prompt,
+        completion_tokens=len(ids) - n_prompt,
+        finish_reason=last.finish_reason,
+        request_key=first.request_key,
+        category=first.category,
+        num_turns=seg.turn_index + 1,
+        normalized=first.normalized,
+        conversation_id=first.prompt_id,
+        turn_index=seg.turn_index,
+        num_loss_spans=len(seg.steps),
+        span_finish_reasons=[c.finish_reason for c in seg.steps],
+    )
+    return row, turns
+
+
+@dataclass
+class ConversationRows:
+    """An every-turn conversation tokenized: its rows, the reject of the segment that cut it and those after."""
+
+    rows: list[TokenRow]
+    kept_steps: list[Completion]
+    rejects: list[Reject]
+    outcome: str | None
+
+
+def build_conversation_rows(steps: list[Completion], chat: ChatTokenizer, enable_thinking: bool) -> ConversationRows:
+    """One row per segment, in order, until the first segment that fails its checks (then reject rows)."""
+    result = ConversationRows([], [], [], None)
+    turns: list[Message] = []
+    segs = segments(steps)
+    for i, seg in enumerate(segs):
+        try:
+            row, turns = build_segment_row(seg, chat, enable_thinking, turns)
+        except RowRejected as exc:
+            result.rejects.append(_segment_reject(seg, exc.reason, exc.detail))
+            for later in segs[i + 1 :]:
+                detail = (
+                    f"conversation {later.conversation_id}, turn {later.turn_index}: "
+                    f"turn {seg.turn_index} was rejected ({exc.reason})"
+                )
+                result.rejects.append(_segment_reject(later, EARLIER_TURN_REJECTED, detail))
+            result.outcome = cut_outcome(exc.reason)
+            return result
+        result.rows.append(row)
+        result.kept_steps.extend(seg.steps)
+    last = steps[-1]
+    cut = last.meta.get(CUT_META_KEY)
+    result.outcome = last.outcome or (cut if isinstance(cut, str) else None)
+    return result
+
+
+def _segment_reject(seg: Segment, reason: str, detail: str) -> Reject:
+    first = seg.steps[0]
+    return Reject(
+        "tokenize",
+        reason,
+        detail,
+        first.source,
+        first.row,
+        first.prompt_id,
+        seg.completion_tokens,
+        request_key=first.request_key,
+        location=first.location,
+    )
+
+
 class TokenizationSummary(BaseModel):
     """What tokenization wrote: rows, tokens, files (relative to the staging dir) and rejects by stage/reason."""
 
@@ -185,8 +331,12 @@ class TokenizationSummary(BaseModel):
     rows_by_category: dict[str, int] = Field(default_factory=dict, description="Category -> rows.")
     data_files: list[str] = Field(default_factory=list, description="Training parquet files, relative paths.")
     conversation_files: list[str] = Field(
-        default_factory=list, description="Conversation JSONL files (one line per training row), relative paths."
+        default_factory=list,
+        description="Conversation JSONL files (one line per training row; every turn: per conversation), relative.",
     )
+    conversations: int = Field(0, description="Every turn: conversations published (one line each).")
+    turns: int = Field(0, description="Every turn: user turns published (one token row each).")
+    steps: int = Field(0, description="Every turn: generated assistant messages in the published rows.")
     reject_files: list[str] = Field(default_factory=list, description="Rejects parquet files, relative paths.")
     data_bytes: int = Field(0, description="Bytes of the training parquet files.")
     rejects_total: int = Field(0, description="Reject rows written (all stages).")
@@ -214,6 +364,8 @@ class TokenizationSummary(BaseModel):
             num_loss_tokens=self.loss_tokens.total,
             num_rejects=self.rejects_total,
             num_files=len(self.data_files),
+            num_conversations=self.conversations,
+            num_turns=self.turns,
         )
 
 
@@ -356,6 +508,7 @@ class StreamingTokenizer:
         self._conversations = ConversationWriter(staging_dir, rows_per_file)
         self.summary = TokenizationSummary(mode=mode)
         self._pending: list[Reject] = []
+        self._steps: list[Completion] = []  # every turn: the conversation being gathered
 
     def _reject(self, r: Reject) -> None:
         summary = self.summary
@@ -381,13 +534,16 @@ class StreamingTokenizer:
 
     def add_accepted(self, path: Path) -> None:
         """Tokenize one accepted-completions JSONL file."""
-        summary = self.summary
         for batch in _batches([Path(path)], self.batch_size):
             rows: list[TokenRow] = []
             completions: list[Completion] = []
             for src, lineno, item in batch:
+                if self._steps and (isinstance(item, MalformedRecord) or item.prompt_id != self._steps[0].prompt_id):
+                    self._add_conversation()
                 if isinstance(item, MalformedRecord):
                     self._reject(Reject("tokenize", "malformed_record", f"{src.name}:{lineno}: {item}", src.name))
+                elif is_step(item):
+                    self._steps.append(item)  # validation wrote a conversation's steps together, in step order
                 else:
                     completions.append(item)
             built = _build_batch(completions, self.chat, self.enable_thinking, self.mode)
@@ -408,16 +564,39 @@ class StreamingTokenizer:
                 else:
                     rows.append(result)
                     self._conversations.write(conversation_record(c, self.enable_thinking))
-            if rows:
-                self._data.write(_token_batch(rows))
-            for row in rows:
-                summary.rows += 1
-                summary.input_tokens += len(row.input_ids)
-                summary.prompt_tokens += row.prompt_tokens
-                summary.loss_tokens.add(sum(row.loss_mask))
-                summary.rows_by_source[row.source] = summary.rows_by_source.get(row.source, 0) + 1
-                cat = row.category or NO_CATEGORY
-                summary.rows_by_category[cat] = summary.rows_by_category.get(cat, 0) + 1
+            self._write_rows(rows)
+        if self._steps:
+            self._add_conversation()
+
+    def _write_rows(self, rows: list[TokenRow]) -> None:
+        summary = self.summary
+        if rows:
+            self._data.write(_token_batch(rows))
+        for row in rows:
+            summary.rows += 1
+            summary.input_tokens += len(row.input_ids)
+            summary.prompt_tokens += row.prompt_tokens
+            summary.loss_tokens.add(sum(row.loss_mask))
+            summary.rows_by_source[row.source] = summary.rows_by_source.get(row.source, 0) + 1
+            cat = row.category or NO_CATEGORY
+            summary.rows_by_category[cat] = summary.rows_by_category.get(cat, 0) + 1
+
+    def _add_conversation(self) -> None:
+        """Tokenize the every-turn conversation gathered so far: its segment rows and one published line.
+
+        Always token-exact (`rerender` applies to `last` rows only): a continuing step's prompt is what the server
+        was sent, ids the model generated included, which a re-tokenized rendering need not reproduce.
+        """
+        steps, self._steps = self._steps, []
+        built = build_conversation_rows(steps, self.chat, self.enable_thinking)
+        for r in built.rejects:
+            self._reject(r)
+        if built.rows:
+            self._write_rows(built.rows)
+            self._conversations.write(steps_record(built.kept_steps, self.enable_thinking, built.outcome))
+            self.summary.conversations += 1
+            self.summary.turns += len(built.rows)
+            self.summary.steps += len(built.kept_steps)
 
     def close(self) -> TokenizationSummary:
         """Close the parquet parts, give them their final `-of-N` names and return what was written."""

@@ -13,6 +13,7 @@ import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -32,6 +33,16 @@ from datagen.quality import (
 )
 from datagen.records import Completion, Reject
 from datagen.runspec import ValidationSpec
+from datagen.segments import (
+    CUT_META_KEY,
+    EARLIER_TURN_REJECTED,
+    MISSING_STEP,
+    cut_outcome,
+    ending_verdict,
+    is_step,
+    segments,
+    where,
+)
 
 # The gate and the report are re-exported so the flow finds the whole validation stage here.
 __all__ = [
@@ -111,21 +122,34 @@ def iter_jsonl_completions(path: Path) -> Iterator[tuple[int, Completion | Malfo
 # The plan position generation records in `meta`; a key of the record, never text inside a JSON string
 # (where its quotes would be escaped).
 _PLAN_INDEX_RE = re.compile(r'[{,] ?"plan_index": ?(\d+)')
+# Every-turn lines: the conversation (the record's first key) and the step (written with its turn, both only in
+# every mode), read the same way.
+_PROMPT_ID_RE = re.compile(r'^\{"prompt_id": ?"((?:[^"\\]|\\.)*)"')
+_STEP_RE = re.compile(r'[{,] ?"step": ?(\d+), ?"turn_index": ?\d+')
+_NO_POSITION = 1 << 62
 
 
 def iter_in_plan_order(path: Path) -> Iterator[tuple[int, Completion | MalformedRecord]]:
     """Like iter_jsonl_completions, but in the shard's plan order (meta.plan_index), not the order they finished.
 
     Two passes over the file: offsets and plan positions first (a few bytes per line), then the lines in
-    order; lines without a plan position keep their file order after the others.
+    order; lines without a plan position keep their file order after the others. Every-turn lines (with a
+    `step`) come together per conversation, in step order, at the conversation's first plan position.
     """
-    index: list[tuple[int, int, int, int]] = []  # (plan position, line number, offset, length)
+    index: list[tuple[int, str, int, int, int, int]] = []  # (position, conversation, step, line, offset, length)
+    first: dict[str, int] = {}  # conversation -> its lowest plan position (every-turn lines only)
     for line in read_lines(path):
         found = _PLAN_INDEX_RE.findall(line.text)
-        index.append((int(found[-1]) if found else 1 << 62, line.lineno, line.offset, line.length))
-    index.sort()
+        position = int(found[-1]) if found else _NO_POSITION
+        step = _STEP_RE.findall(line.text)
+        conversation = _PROMPT_ID_RE.match(line.text) if step else None
+        key = conversation.group(1) if conversation else ""
+        if key:
+            first[key] = min(first.get(key, position), position)
+        index.append((position, key, int(step[-1]) if key else -1, line.lineno, line.offset, line.length))
+    index.sort(key=lambda e: (first.get(e[1], e[0]), *e[1:]))
     with path.open("rb") as f:
-        for _, lineno, start, size in index:
+        for *_, lineno, start, size in index:
             f.seek(start)
             yield _judge(CheckpointLine(lineno, start, size, f.read(size)[:-1].decode("utf-8")))
 
@@ -225,11 +249,22 @@ class ShardValidator:
         rejects_path = self.out_dir / f"{stem}.rejects.jsonl"
         with _atomic_text(accepted_path) as acc, _atomic_text(rejects_path) as rej:
             # Plan order, whatever finished first: the copy kept of a duplicate is the one planned first.
+            conversation: list[Completion] = []  # every-turn steps of one conversation, in step order
             for lineno, item in iter_in_plan_order(path):
+                if conversation and (
+                    isinstance(item, MalformedRecord)
+                    or item.prompt_id != conversation[0].prompt_id
+                    or not is_step(item)
+                ):
+                    self._conversation(conversation, acc, rej)
+                    conversation = []
                 if isinstance(item, MalformedRecord):
                     r = _malformed(path, lineno, item)
                     builder.reject(r)
                     rej.write(r.to_json() + "\n")
+                    continue
+                if is_step(item):
+                    conversation.append(item)
                     continue
                 verdict = check_completion(item, spec, self.enable_thinking, self.words)
                 if verdict.accepted:
@@ -243,9 +278,76 @@ class ShardValidator:
                     r = _reject(item, verdict)
                     builder.reject(r)
                     rej.write(r.to_json() + "\n")
+            if conversation:
+                self._conversation(conversation, acc, rej)
         builder.summary.accepted_paths.append(str(accepted_path))
         builder.summary.reject_paths.append(str(rejects_path))
         return accepted_path, rejects_path
+
+    def _conversation(self, steps: list[Completion], acc: IO[str], rej: IO[str]) -> None:
+        """Judge an every-turn conversation step by step; cut it at its first failing step.
+
+        The segments (user turns) before the failing one are kept, step by step; the failing segment is one
+        reject row with the reason and the turn, each later segment one `earlier_turn_rejected` row. A step
+        written twice (the same request key) is a `duplicate_request` row and does not cut the conversation.
+        """
+        kept: list[tuple[Completion, Verdict]] = []
+        cut: tuple[Completion, str, str] | None = None
+        turn = 0
+        for c in steps:
+            ended = ending_verdict(c, len(kept), turn)
+            if ended is not None and ended[0] == MISSING_STEP and kept and c.step == kept[-1][0].step:
+                verdict = Verdict("duplicate_request", f"{where(c)}: request key {c.request_key} was already accepted")
+                r = _reject(c, verdict)
+                self._builder.reject(r)
+                rej.write(r.to_json() + "\n")
+                continue
+            verdict = check_completion(c, self.spec, self.enable_thinking, self.words)
+            if verdict.accepted and ended is None:
+                verdict = self._duplicates.check_and_add(c, self.spec.reject_duplicate_completions)
+            if ended is None and verdict.accepted:
+                kept.append((c, verdict))
+                turn = c.turn_index or 0
+                continue
+            # The per-sample check names a failing step first (its detail is the more precise); then the record.
+            if verdict.reason is not None:
+                reason, detail = verdict.reason, f"{where(c)}: {verdict.detail}"
+            else:
+                assert ended is not None
+                reason, detail = ended
+            cut = (c, reason, detail)
+            break
+        if cut is None:
+            for c, verdict in kept:
+                self._builder.accept(c, verdict)
+                acc.write(c.to_json() + "\n")
+            return
+        failing, reason, detail = cut
+        failing_turn = failing.turn_index if failing.turn_index is not None else turn
+        survivors = [(c, verdict) for c, verdict in kept if (c.turn_index or 0) < failing_turn]
+        for i, (c, verdict) in enumerate(survivors):
+            self._builder.accept(c, verdict)
+            if i + 1 == len(survivors):  # the published conversation ends here, and says why
+                c = replace(c, meta={**c.meta, CUT_META_KEY: cut_outcome(reason)})
+            acc.write(c.to_json() + "\n")
+        dropped = [c for c in steps if c.step is not None and (c.turn_index or 0) >= failing_turn]
+        for seg in segments(dropped):
+            first = seg.steps[0]
+            if seg.turn_index == failing_turn:
+                r = _reject(first, Verdict(reason, detail))
+                r.request_key = failing.request_key
+            else:
+                r = _reject(
+                    first,
+                    Verdict(
+                        EARLIER_TURN_REJECTED,
+                        f"conversation {first.prompt_id}, turn {seg.turn_index}: turn {failing_turn} was rejected "
+                        f"({reason})",
+                    ),
+                )
+            r.completion_tokens = seg.completion_tokens
+            self._builder.reject(r)
+            rej.write(r.to_json() + "\n")
 
     def close(self) -> ValidationSummary:
         """The summary of every shard added; also written to `validation-summary.json` in `out_dir`."""
