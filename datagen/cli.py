@@ -166,8 +166,15 @@ def summary_text(report: dict[str, Any]) -> str:
         return f"nothing published in namespace {report.get('namespace')}: {why}"
     rows, rejects = report.get("rows", 0), report.get("rejects", 0)
     what = "Would publish" if report.get("dry_run") else "Published"
+    source = f"{report.get('prompts')} prompts"
+    turns = report.get("conversations")
+    if isinstance(turns, dict):  # every-turn mode: conversations and their steps
+        source = (
+            f"{turns.get('conversations_finished')} of {turns.get('conversations_planned')} conversations "
+            f"({turns.get('steps')} steps)"
+        )
     return (
-        f"{what} {rows} rows ({rejects} rejects) from {report.get('prompts')} prompts "
+        f"{what} {rows} rows ({rejects} rejects) from {source} "
         f"in namespace {report.get('namespace')}; look at it with: datagen inspect {report.get('namespace')}\n"
         f"{report['uri']}"
     )

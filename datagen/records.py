@@ -126,7 +126,7 @@ def _messages_in(items: list[Any]) -> list[Message]:
 
 # Fields added after checkpoints and prompt files existed: written only when set, so a line without them reads
 # (and hashes, e.g. a plan's sha256) byte for byte as before they existed.
-_OMITTED_WHEN_UNSET = frozenset({"normalized", "tools", "tool_calls"})
+_OMITTED_WHEN_UNSET = frozenset({"normalized", "tools", "tool_calls", "step", "turn_index", "bridge_ids", "outcome"})
 
 
 def _record_json(record: Any, skip: frozenset[str] = frozenset()) -> str:
@@ -235,6 +235,14 @@ class Completion:
     tools: list[dict[str, Any]] | None = None  # the prompt's tools (see Prompt.tools): its render needs them
     # The calls the model made in its answer (datagen.toolcalls parses them from `text`); None: it made none.
     tool_calls: list[ToolCall] | None = None
+    # Every-turn mode (docs/conversations.md): one line per generated step of a conversation. All None in `last`
+    # mode, so its lines are unchanged.
+    step: int | None = None  # 0-based index of this generation within the conversation
+    turn_index: int | None = None  # 0-based user turn this step answers
+    # A step continuing a user turn after tool results: the ids sent between the previous step's output_ids and
+    # this generation (None on a user turn's first step, whose prompt is the template's render of `messages`).
+    bridge_ids: list[int] | None = None
+    outcome: str | None = None  # on the conversation's last step, why it ended ("complete", ...); else None
 
     def __post_init__(self) -> None:
         self.messages = _messages_in(self.messages)
