@@ -483,6 +483,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
 
     tokenized = finish_dataset(spec, layout, chat, plan.n_load_rejects, shard_results, run_id, stream, plan_args)
     clock.mark("validation + tokenization")
+    turn_counts = _step_tail(plan, layout).poll() if every_turn(spec) else None
     lineage = {
         "run_spec": spec.model_dump(mode="json"),
         "model_path": spec.model_path,
@@ -497,7 +498,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         "rows": tokenized.n_rows,
         "rejects": tokenized.n_rejects,
         "rejects_by_reason": tokenized.rejects_by_reason,
-    }
+    } | ({"conversations": turn_counts.summary()} if turn_counts is not None else {})
     published = publish_dataset(spec, layout, store, lineage, dry_run)
     clock.mark("publish")
     dataset_link = report.dataset_link(store, published.uri, settings.s3_console_url)
@@ -528,7 +529,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         final_stats=final_stats,
         throughput=generated.throughput,
         lengths=report.completion_lengths(Path(r.completions_path) for r in shard_results),
-        conversations=_step_tail(plan, layout).poll() if every_turn(spec) else None,
+        conversations=turn_counts,
     )
     create_markdown_artifact(
         markdown=report.run_report(facts),
