@@ -764,21 +764,23 @@ def import_pilot(
         pilot_requests=len(completions) + len(rejects), imported_completions=0, imported_rejects=0, already_present=0
     )
     key_of = RequestKeys(spec.sampling, chat)
+    # Every-turn mode: a conversation's steps carry `<its key>:step-N`; all of them go with it.
+    steps = pilot_turns.keys_by_conversation([*completions, *rejects])
     for shard_id in plan.shard_ids:
         comp_path, rej_path = layout.shard_completions(shard_id), layout.shard_rejects(shard_id)
         settled = settled_keys(comp_path, "completion") | settled_keys(rej_path, "reject")
         wanted_c: list[CheckpointLine] = []
         wanted_r: list[CheckpointLine] = []
         for prompt in read_prompts(layout.shard_prompts(shard_id)):
-            key = key_of(prompt.prompt_id)
-            if key in settled:
-                report.already_present += key in completions or key in rejects
-                continue
-            if key in completions:
-                wanted_c.append(completions[key])
-            elif key in rejects:
-                wanted_r.append(rejects[key])
-            settled.add(key)
+            for key in steps.get(key_of(prompt.prompt_id), ()):
+                if key in settled:
+                    report.already_present += 1
+                    continue
+                if key in completions:
+                    wanted_c.append(completions[key])
+                elif key in rejects:
+                    wanted_r.append(rejects[key])
+                settled.add(key)
         # append_lines cuts a torn tail off first (the checkpoint policy), so a crashed shard is no obstacle.
         report.imported_completions += append_lines(comp_path, wanted_c)
         report.imported_rejects += append_lines(rej_path, wanted_r)

@@ -26,7 +26,18 @@ from tasks.generation import read_prompts
 from tasks.ordering import LengthSample, prompt_chars
 from tasks.planning import ShardPlan
 
-__all__ = ["PilotMeasure", "measure", "measure_completions", "measure_conversations", "turn_report", "user_turns"]
+__all__ = [
+    "PilotMeasure",
+    "conversation_key",
+    "keys_by_conversation",
+    "measure",
+    "measure_completions",
+    "measure_conversations",
+    "turn_report",
+    "user_turns",
+]
+
+STEP_KEY_SEPARATOR = ":step-"  # a step's request key: the conversation's key + ":step-N" (the I21 contract)
 
 
 @dataclass(slots=True)
@@ -44,6 +55,20 @@ class PilotMeasure:
     segments: Counter[str] | None = None
     steps: Counter[str] | None = None
     conversations: dict[str, Any] | None = None
+
+
+def conversation_key(request_key: str) -> str:
+    """The conversation's request key of a step's (`<key>:step-N` -> `<key>`); a `last` mode key is its own."""
+    base, sep, n = request_key.rpartition(STEP_KEY_SEPARATOR)
+    return base if sep and n.isdigit() else request_key
+
+
+def keys_by_conversation(request_keys: Iterable[str]) -> dict[str, list[str]]:
+    """Conversation key -> the request keys of its lines, in the order given (a `last` mode key: itself alone)."""
+    out: dict[str, list[str]] = defaultdict(list)
+    for key in request_keys:
+        out[conversation_key(key)].append(key)
+    return dict(out)
 
 
 def _rows(paths: Iterable[Path]) -> list[dict[str, Any]]:

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
+from datagen.chat import ChatTokenizer
+from datagen.checkpoint import settled_keys
+from datagen.identity import RequestKeys
 from datagen.layout import RunLayout
+from datagen.model_fixture import ensure_model_dir
 from datagen.quality import ValidationSummary
 from datagen.records import Completion, Message, Prompt, Reject
-from tasks.pilot import PilotPopulation, PilotSpec, project, render_projection
-from tasks.pilot_turns import user_turns
-from tasks.planning import ShardEntry, ShardPlan
+from datagen.runspec import PromptSource, RunSpec
+from tasks.pilot import PilotPopulation, PilotSpec, import_pilot, project, render_projection
+from tasks.pilot_turns import conversation_key, user_turns
+from tasks.planning import ShardEntry, ShardPlan, plan_shards
 from tasks.selection import SelectionReport
 
 
@@ -140,3 +146,37 @@ def test_the_decode_simulation_holds_a_slot_for_a_whole_conversation(tmp_path: P
     assert p.projection["wall_s"] == pytest.approx(71.0)
     # The length model (the main run's long-first order) predicts a conversation's total output.
     assert p.length_model.by_source["a"].mean == 50.0 and p.length_model.by_source["b"].mean == 84.0
+
+
+def test_a_main_run_imports_every_step_of_the_pilots_conversations(tmp_path: Path) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"instruction": f"question {i}"}) + "\n" for i in range(3)))
+    spec = RunSpec(sources=[PromptSource(path=str(prompts))], shard_size=3, model_path=str(ensure_model_dir()))
+    chat = ChatTokenizer.shared(spec.model_path)
+    pilot_layout, main_layout = RunLayout(tmp_path / "pilot"), RunLayout(tmp_path / "main")
+    plan = plan_shards(spec, main_layout)
+    key_of = RequestKeys(spec.sampling, chat)
+    pids = [Prompt.from_json(line).prompt_id for line in main_layout.shard_prompts(0).read_text().splitlines()]
+
+    def line(i: int, n: int, **kw: object) -> str:
+        c = _step(pids[i], "p", n, 0, 5, 10, **kw)
+        c.request_key = f"{key_of(pids[i])}:step-{n}"
+        return c.to_json() + "\n"
+
+    pilot_layout.shards_dir.mkdir(parents=True)
+    # Conversation 0: three steps, complete. Conversation 1: a step, then refused. Conversation 2: not in the pilot.
+    pilot_layout.shard_completions(0).write_text(
+        line(0, 0) + line(1, 0) + line(0, 1, bridge_ids=[1]) + line(0, 2, outcome="complete")
+    )
+    refused = Reject("generate", "context_exceeded", "turn 0", "p", prompt_id=pids[1])
+    refused.request_key = f"{key_of(pids[1])}:step-1"
+    pilot_layout.shard_rejects(0).write_text(refused.to_json() + "\n")
+    main_layout.shard_completions(0).write_text(line(0, 0))  # the main run had settled conversation 0's first step
+
+    result = import_pilot(pilot_layout, main_layout, plan, spec, chat)
+
+    assert (result.imported_completions, result.imported_rejects, result.already_present) == (3, 1, 1)
+    rows = [json.loads(x) for x in main_layout.shard_completions(0).read_text().splitlines()]
+    assert [(r["prompt_id"], r["step"]) for r in rows] == [(pids[0], 0), (pids[0], 1), (pids[0], 2), (pids[1], 0)]
+    assert settled_keys(main_layout.shard_rejects(0), "reject") == {f"{key_of(pids[1])}:step-1"}
+    assert conversation_key("abc:step-12") == "abc" and conversation_key("abc") == "abc"
