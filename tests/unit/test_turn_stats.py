@@ -238,3 +238,14 @@ def test_a_spec_without_turns_is_last_mode() -> None:
         turns = "every"
 
     assert every_turn(Spec()) and not every_turn(object())
+
+
+def test_the_cli_summary_names_conversations_in_every_turn_mode(tmp_path: Path) -> None:
+    from datagen.cli import summary_text
+
+    comp, rej = tmp_path / "c.jsonl", tmp_path / "r.jsonl"
+    _write(comp, LINES)
+    summary = {"uri": "s3://b/ns/", "namespace": "ns", "rows": 3, "rejects": 1, "prompts": 4}
+    assert "from 4 prompts in namespace ns" in summary_text(summary)
+    every = summary | {"conversations": StepTail([comp], [rej], planned=4).poll().summary()}
+    assert "Published 3 rows (1 rejects) from 2 of 4 conversations (6 steps) in namespace ns" in summary_text(every)
