@@ -54,6 +54,9 @@ def list_namespaces(store: ObjectStore) -> str:
             lineage.get("rows") if isinstance(lineage.get("rows"), int) else manifest.get("total_rows", {}).get("data")
         )
         rows_text = f"{rows:,} rows" if isinstance(rows, int) else "rows unknown"
+        turns = lineage.get("conversations")
+        if isinstance(turns, dict):  # every-turn mode: the run's own counts
+            rows_text += f" from {turns.get('conversations_finished', 0):,} conversations"
         lines.append(
             f"  {ns}  published {manifest.get('created_at')}, {rows_text}, "
             f"{human_bytes(int(manifest.get('total_bytes', 0)))}"

@@ -12,7 +12,7 @@ import pytest
 
 from datagen.cli import main as cli_main
 from datagen.conversation_view import find_conversation, render_conversation
-from datagen.inspection import inspect_namespace
+from datagen.inspection import inspect_namespace, list_namespaces
 from datagen.records import TOKEN_ROW_SCHEMA
 from datagen.storage import ObjectStore
 from tasks.publishing import publish
@@ -98,6 +98,9 @@ def test_inspect_counts_conversations_and_shows_one_readably(s3_store: ObjectSto
     ) in text
     assert "conversations in the rows: 2 in 3 rows (user-turn segments), 4 loss spans" in text
     assert "datagen inspect conv_v1 --conversation [ID]" in text
+    assert "conv_v1  published" in list_namespaces(s3_store) and "3 rows from 2 conversations" in list_namespaces(
+        s3_store
+    )
 
     first = find_conversation(s3_store, "conv_v1", None)
     assert first is not None and first.record["id"] == "conv-last" and first.line == 1
