@@ -764,7 +764,8 @@ def import_pilot(
         pilot_requests=len(completions) + len(rejects), imported_completions=0, imported_rejects=0, already_present=0
     )
     key_of = RequestKeys(spec.sampling, chat)
-    # Every-turn mode: a conversation's steps carry `<its key>:step-N`; all of them go with it.
+    # Every-turn mode: a conversation's steps carry `<its key>:step-N` and go together. A conversation the main
+    # run holds any step of is not touched: a pilot step conditioned on another history would not continue it.
     steps = pilot_turns.keys_by_conversation([*completions, *rejects])
     for shard_id in plan.shard_ids:
         comp_path, rej_path = layout.shard_completions(shard_id), layout.shard_rejects(shard_id)
@@ -772,10 +773,12 @@ def import_pilot(
         wanted_c: list[CheckpointLine] = []
         wanted_r: list[CheckpointLine] = []
         for prompt in read_prompts(layout.shard_prompts(shard_id)):
-            for key in steps.get(key_of(prompt.prompt_id), ()):
-                if key in settled:
-                    report.already_present += 1
-                    continue
+            keys = steps.get(key_of(prompt.prompt_id), [])
+            present = sum(key in settled for key in keys)
+            if present:
+                report.already_present += present
+                continue
+            for key in keys:
                 if key in completions:
                     wanted_c.append(completions[key])
                 elif key in rejects:

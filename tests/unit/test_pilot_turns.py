@@ -171,12 +171,21 @@ def test_a_main_run_imports_every_step_of_the_pilots_conversations(tmp_path: Pat
     refused = Reject("generate", "context_exceeded", "turn 0", "p", prompt_id=pids[1])
     refused.request_key = f"{key_of(pids[1])}:step-1"
     pilot_layout.shard_rejects(0).write_text(refused.to_json() + "\n")
-    main_layout.shard_completions(0).write_text(line(0, 0))  # the main run had settled conversation 0's first step
-
     result = import_pilot(pilot_layout, main_layout, plan, spec, chat)
 
-    assert (result.imported_completions, result.imported_rejects, result.already_present) == (3, 1, 1)
+    assert (result.imported_completions, result.imported_rejects, result.already_present) == (4, 1, 0)
     rows = [json.loads(x) for x in main_layout.shard_completions(0).read_text().splitlines()]
     assert [(r["prompt_id"], r["step"]) for r in rows] == [(pids[0], 0), (pids[0], 1), (pids[0], 2), (pids[1], 0)]
     assert settled_keys(main_layout.shard_rejects(0), "reject") == {f"{key_of(pids[1])}:step-1"}
+    assert import_pilot(pilot_layout, main_layout, plan, spec, chat).already_present == 5  # idempotent
+
+    # A main run that generated conversation 0's first step itself: the pilot's later steps answer another
+    # history, so none of the conversation is copied.
+    other = RunLayout(tmp_path / "other")
+    plan = plan_shards(spec, other)
+    other.shard_completions(0).write_text(line(0, 0))
+    result = import_pilot(pilot_layout, other, plan, spec, chat)
+    assert (result.imported_completions, result.imported_rejects, result.already_present) == (1, 1, 1)
+    rows = [json.loads(x) for x in other.shard_completions(0).read_text().splitlines()]
+    assert [(r["prompt_id"], r["step"]) for r in rows] == [(pids[0], 0), (pids[1], 0)]
     assert conversation_key("abc:step-12") == "abc" and conversation_key("abc") == "abc"
