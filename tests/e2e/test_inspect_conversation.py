@@ -11,9 +11,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from datagen.cli import main as cli_main
+from datagen.conversation_export import conversation_record
 from datagen.conversation_view import find_conversation, render_conversation
 from datagen.inspection import inspect_namespace, list_namespaces
-from datagen.records import TOKEN_ROW_SCHEMA
+from datagen.records import TOKEN_ROW_SCHEMA, Completion, Message, ToolCall
 from datagen.storage import ObjectStore
 from tasks.publishing import publish
 
@@ -148,3 +149,34 @@ def test_inspect_command_shows_a_conversation(
     assert cli_main(["inspect", "conv_v3", "--conversation", "nope", *state]) == 1
     assert "no conversation with id 'nope'" in capsys.readouterr().err
     assert cli_main(["inspect", "--conversation", *state]) == 2
+
+
+def test_a_conversation_as_the_exporter_writes_it_reads_back(s3_store: ObjectStore, tmp_path: Path) -> None:
+    # The line as datagen.conversation_export writes it today (`last` mode): reasoning split at </think>,
+    # the model's call with its arguments as JSON text, tools as JSON text.
+    completion = Completion(
+        prompt_id="p-1",
+        source="s",
+        row=0,
+        messages=[Message("user", "Weather in Paris?")],
+        request_key="k",
+        prompt_tokens=5,
+        output_ids=[1, 2],
+        text="I should call the tool.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+        "</parameter>\n</function>\n</tool_call>",
+        finish_reason="stop",
+        completion_tokens=2,
+        tools=TOOLS,
+        tool_calls=[ToolCall("get_weather", {"city": "Paris"})],
+    )
+    root = tmp_path / "ds"
+    (root / "conversations").mkdir(parents=True)
+    record = conversation_record(completion, enable_thinking=True)
+    (root / "conversations" / "conversations-00000-of-00001.jsonl").write_text(json.dumps(record) + "\n")
+    publish(root, "conv_export", s3_store, {"model_path": "m", "engine": "standin"})
+    found = find_conversation(s3_store, "conv_export", "p-1")
+    assert found is not None
+    shown = render_conversation(found)
+    assert "outcome: not recorded" in shown and "turns: 1 user, 1 assistant, 0 tool" in shown
+    assert "│ I should call the tool." in shown and '→ calls get_weather({"city": "Paris"})' in shown
+    assert "<tool_call>" not in shown  # the exporter keeps only the visible text before the call
