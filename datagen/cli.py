@@ -166,8 +166,15 @@ def summary_text(report: dict[str, Any]) -> str:
         return f"nothing published in namespace {report.get('namespace')}: {why}"
     rows, rejects = report.get("rows", 0), report.get("rejects", 0)
     what = "Would publish" if report.get("dry_run") else "Published"
+    source = f"{report.get('prompts')} prompts"
+    turns = report.get("conversations")
+    if isinstance(turns, dict):  # every-turn mode: conversations and their steps
+        source = (
+            f"{turns.get('conversations_finished')} of {turns.get('conversations_planned')} conversations "
+            f"({turns.get('steps')} steps)"
+        )
     return (
-        f"{what} {rows} rows ({rejects} rejects) from {report.get('prompts')} prompts "
+        f"{what} {rows} rows ({rejects} rejects) from {source} "
         f"in namespace {report.get('namespace')}; look at it with: datagen inspect {report.get('namespace')}\n"
         f"{report['uri']}"
     )
@@ -284,9 +291,23 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
         if "DATAGEN_S3_ENDPOINT_URL" not in os.environ and localstack.is_running(args.state_dir):
             os.environ.update(localstack.start(args.state_dir).env())
+    if args.namespace is None and args.conversation is not None:
+        print("--conversation needs a namespace: datagen inspect NAMESPACE --conversation [ID]", file=sys.stderr)
+        return 2
     store = ObjectStore.from_settings(Settings())
     if args.namespace is None:
         print(list_namespaces(store))
+        return 0
+    if args.conversation is not None:
+        from datagen.conversation_view import find_conversation, render_conversation
+
+        wanted = args.conversation or None  # a bare --conversation: the first one
+        found = find_conversation(store, args.namespace, wanted)
+        if found is None:
+            what = f"no conversation with id {wanted!r}" if wanted else "no published conversations"
+            print(f"{store.uri(args.namespace.strip('/') + '/conversations/')}: {what}", file=sys.stderr)
+            return 1
+        print(render_conversation(found))
         return 0
     text, ok = inspect_namespace(store, args.namespace, examples=args.examples)
     print(text)
@@ -427,10 +448,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_cmd_demo)
 
     inspect = sub.add_parser(
-        "inspect", help="list the namespaces, or show what one holds: manifest, rows, rejects, card"
+        "inspect",
+        help="list the namespaces, or show what one holds: manifest, rows, conversations, rejects, card",
     )
     inspect.add_argument("namespace", nargs="?", help="the namespace to show (none: list every namespace)")
     inspect.add_argument("--examples", type=int, default=2, help="example rejects shown per reason")
+    inspect.add_argument(
+        "--conversation",
+        nargs="?",
+        const="",
+        metavar="ID",
+        help="show one published conversation, readable (roles, reasoning shortened, tool calls, outcome): "
+        "the one with this id, or the first",
+    )
     inspect.add_argument(
         "--state-dir",
         type=Path,

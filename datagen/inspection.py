@@ -16,6 +16,9 @@ __all__ = ["inspect_namespace", "list_namespaces"]
 
 MANIFEST = "manifest.json"
 CARD = "README.md"
+# The summary counts conversations from the rows' columns when the data files are at most this large (S3 reads
+# whole objects); a run records its own counts in the manifest's lineage.
+ROW_COLUMNS_READ_LIMIT = 256 * 1024 * 1024
 
 
 def _rejects(store: ObjectStore, keys: list[str], examples: int) -> tuple[Counter[str], dict[str, list[str]]]:
@@ -51,12 +54,56 @@ def list_namespaces(store: ObjectStore) -> str:
             lineage.get("rows") if isinstance(lineage.get("rows"), int) else manifest.get("total_rows", {}).get("data")
         )
         rows_text = f"{rows:,} rows" if isinstance(rows, int) else "rows unknown"
+        turns = lineage.get("conversations")
+        if isinstance(turns, dict):  # every-turn mode: the run's own counts
+            rows_text += f" from {turns.get('conversations_finished', 0):,} conversations"
         lines.append(
             f"  {ns}  published {manifest.get('created_at')}, {rows_text}, "
             f"{human_bytes(int(manifest.get('total_bytes', 0)))}"
         )
     lines.append("details of one: datagen inspect NAMESPACE")
     return "\n".join(lines)
+
+
+def _conversation_counts(store: ObjectStore, ns: str, manifest: dict[str, Any]) -> list[str]:
+    """Conversations and turns: the run's own counts (every-turn mode records them), else the rows' columns."""
+    keys = [str(e.get("key", "")) for e in manifest.get("objects", [])]
+    lines: list[str] = []
+    turns = manifest.get("lineage", {}).get("conversations")
+    if isinstance(turns, dict):
+        outcomes = ", ".join(f"{k} {v:,}" for k, v in (turns.get("conversations_by_outcome") or {}).items())
+        lines.append(
+            f"conversations: {turns.get('conversations_finished', 0):,} finished of "
+            f"{turns.get('conversations_planned', 0):,} planned; {turns.get('steps', 0):,} steps generated, "
+            f"{turns.get('user_turns', 0):,} user turns answered" + (f"; ended: {outcomes}" if outcomes else "")
+        )
+    data = [e for e in manifest.get("objects", []) if str(e.get("key", "")).startswith("data/")]
+    size = sum(int(e.get("size", 0)) for e in data)
+    if size > ROW_COLUMNS_READ_LIMIT:
+        lines.append(f"rows per conversation: not counted here ({human_bytes(size)} of data files)")
+    elif data:
+        try:
+            lines.append(_row_columns(store, ns, [str(e["key"]) for e in data]))
+        except (StorageError, OSError, ValueError, KeyError) as exc:
+            lines.append(f"rows per conversation: could not be read ({exc})")
+    if any(k.startswith("conversations/") for k in keys):
+        lines.append(f"one conversation, readable: datagen inspect {ns} --conversation [ID]")
+    return lines
+
+
+def _row_columns(store: ObjectStore, ns: str, keys: list[str]) -> str:
+    """'12 conversations in 30 rows (user-turn segments), 41 loss spans' from the rows' conversation columns."""
+    ids: set[str] = set()
+    rows = spans = 0
+    for key in keys:
+        parquet = pq.ParquetFile(io.BytesIO(store.get_bytes(f"{ns}/{key}")))
+        if "conversation_id" not in parquet.schema_arrow.names:  # written before the conversation columns existed
+            return "rows per conversation: not recorded (rows written before the conversation columns)"
+        for row in parquet.read(columns=["prompt_id", "conversation_id", "num_loss_spans"]).to_pylist():
+            ids.add(str(row["conversation_id"] or row["prompt_id"]))
+            rows += 1
+            spans += int(row["num_loss_spans"] or 1)
+    return f"conversations in the rows: {len(ids):,} in {rows:,} rows (user-turn segments), {spans:,} loss spans"
 
 
 def inspect_namespace(store: ObjectStore, namespace: str, examples: int = 2) -> tuple[str, bool]:
@@ -84,9 +131,9 @@ def inspect_namespace(store: ObjectStore, namespace: str, examples: int = 2) -> 
         f"{len(manifest.get('objects', []))} objects, {human_bytes(int(manifest.get('total_bytes', 0)))}",
         f"model {lineage.get('model_path')} (fingerprint {str(lineage.get('model_fingerprint'))[:12]}), "
         f"engine {lineage.get('engine')} {lineage.get('engine_version') or ''}".rstrip(),
-        "",
-        "files:",
     ]
+    lines += _conversation_counts(store, ns, manifest)
+    lines += ["", "files:"]
     for entry in manifest.get("objects", []):
         rows = f", {entry['rows']:,} rows" if "rows" in entry else ""
         lines.append(f"  {entry['key']}  {human_bytes(int(entry['size']))}{rows}")

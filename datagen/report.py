@@ -20,6 +20,7 @@ from uuid import UUID
 from datagen.checkpoint import read_rows
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.stats import DispatcherStats
+from datagen.turn_stats import COMPLETE, StepTail, TurnCounts
 
 __all__ = [
     "ProgressReporter",
@@ -273,6 +274,7 @@ class ProgressReporter:
         interval_s: float = 5.0,
         label: str = "",
         log_every_s: float = 60.0,
+        turns: StepTail | None = None,
     ) -> None:
         self.dispatcher = dispatcher
         self.total = total_prompts
@@ -282,6 +284,11 @@ class ProgressReporter:
         self.interval_s = interval_s
         self.label = label  # prefix of the artifact's description, e.g. "Generation of expansion_v3: "
         self.log_every_s = log_every_s
+        # Every-turn mode: the dispatcher counts steps, so conversations are counted from the checkpoint lines.
+        self.turns = turns
+        self.last_turns: TurnCounts | None = turns.poll() if turns is not None else None
+        # Conversations the checkpoints finished before this call: the ETA's rate is this call's own.
+        self._finished_before = self.last_turns.finished if self.last_turns is not None else 0
         self._last_log = float("-inf")
         self.samples: list[ProgressSample] = []
         self.last_stats: DispatcherStats | None = None
@@ -310,12 +317,19 @@ class ProgressReporter:
                 self.logger.warning("progress update failed: %s", exc)
 
     def settled(self, stats: DispatcherStats) -> int:
-        """Prompts of the run with a result (completion or reject), this call's and the checkpoints' before it."""
+        """Prompts of the run with a result (completion or reject), this call's and the checkpoints' before it.
+
+        Every-turn mode: conversations finished (their checkpoint lines say so, those of earlier attempts too).
+        """
+        if self.last_turns is not None:
+            return min(self.total, self.last_turns.finished)
         return min(self.total, self.already + stats.completed + stats.rejected)
 
     def eta_s(self, stats: DispatcherStats) -> float | None:
         """Seconds left at this call's average rate over the run's remaining prompts; None before any result."""
         done_now = stats.completed + stats.rejected
+        if self.last_turns is not None:
+            done_now = self.last_turns.finished - self._finished_before
         if done_now <= 0 or stats.elapsed_s <= 0:
             return None
         left = self.total - self.settled(stats)
@@ -332,6 +346,14 @@ class ProgressReporter:
             eta_text = "ETA unknown until the first result"
         else:
             eta_text = f"ETA {human_duration(eta)}"
+        if self.last_turns is not None:
+            turns = self.last_turns
+            ended = f", {turns.ended_early:,} ended early" if turns.ended_early else ""
+            return (
+                f"{settled:,} of {self.total:,} conversations finished ({pct:.0f}%){ended}, {turns.steps:,} steps "
+                f"({turns.user_turns:,} user turns) generated, {stats.output_tokens_per_s:,.0f} output tokens/s, "
+                f"{eta_text}, {stats.failed} failed, {stats.in_flight} in flight"
+            )
         return (
             f"{settled:,} of {self.total:,} prompts ({pct:.0f}%), {stats.output_tokens_per_s:,.0f} output tokens/s, "
             f"{eta_text}, {stats.failed} failed, {stats.in_flight} in flight"
@@ -341,6 +363,8 @@ class ProgressReporter:
         """Look once: sample, update the artifact, log when changed."""
         stats = self.dispatcher.stats()
         self.last_stats = stats
+        if self.turns is not None:
+            self.last_turns = self.turns.poll()
         settled = self.settled(stats)
         self.samples.append(ProgressSample(stats.elapsed_s, settled, stats.output_tokens))
         text = self.describe(stats)
@@ -350,7 +374,8 @@ class ProgressReporter:
             progress = 100.0 * settled / self.total if self.total else 100.0
             update_progress_artifact(artifact_id=self.artifact_id, progress=progress, description=self.label + text)
         # Same counts as the last line: nothing to say (the end of a run used to repeat its last line).
-        key = (settled, stats.failed, stats.in_flight, stats.queued)
+        steps = self.last_turns.steps if self.last_turns is not None else 0
+        key = (settled, stats.failed, stats.in_flight, stats.queued, steps)
         due = time.monotonic() - self._last_log >= self.log_every_s or settled >= self.total
         if key != self._last_key and due:
             self._last_key = key
@@ -448,6 +473,8 @@ class RunFacts:
     final_stats: DispatcherStats | None = None
     throughput: Sequence[tuple[str, float]] = ()
     lengths: Sequence[int] = ()
+    # Every-turn mode: conversations and their steps, counted from the checkpoint lines (None: `last` mode).
+    conversations: TurnCounts | None = None
 
     def summary(self) -> dict[str, Any]:
         """The flow's return value (and the CLI's summary): plain JSON."""
@@ -467,7 +494,7 @@ class RunFacts:
             "dataset_bytes": self.dataset_bytes,
             "wall_s": round(self.wall_s, 1),
             "dry_run": self.dry_run,
-        }
+        } | ({"conversations": self.conversations.summary()} if self.conversations is not None else {})
 
 
 def run_report(facts: RunFacts) -> str:
@@ -487,6 +514,7 @@ def run_report(facts: RunFacts) -> str:
         _table(
             ["what", "value"],
             [
+                *_conversation_rows(facts),
                 ("prompts planned", f"{facts.prompts:,} in {facts.shards} shards"),
                 ("shards reused from checkpoints / cache", facts.shards_reused),
                 ("training rows", f"{facts.rows:,}"),
@@ -501,6 +529,17 @@ def run_report(facts: RunFacts) -> str:
             ],
         ),
     ]
+    if facts.conversations is not None and facts.conversations.outcomes:
+        finished = facts.conversations.finished
+        parts += [
+            "",
+            "## Conversations by outcome",
+            "",
+            _table(
+                ["outcome", "conversations", "share"],
+                [(k, f"{n:,}", f"{100.0 * n / finished:.1f}%") for k, n in facts.conversations.outcomes.items()],
+            ),
+        ]
     if facts.rejects_by_reason:
         parts += [
             "",
@@ -558,15 +597,33 @@ def run_report(facts: RunFacts) -> str:
     if facts.lengths:
         ordered = sorted(facts.lengths)
         median = ordered[len(ordered) // 2]
+        what = "Step" if facts.conversations is not None else "Completion"
         parts += [
             "",
-            f"## Completion lengths (tokens; median {median:,}, max {ordered[-1]:,})",
+            f"## {what} lengths (tokens; median {median:,}, max {ordered[-1]:,})",
             "",
             "```",
-            bar_chart(length_histogram(facts.lengths), unit=" completions"),
+            bar_chart(length_histogram(facts.lengths), unit=f" {what.lower()}s"),
             "```",
         ]
     return "\n".join(parts) + "\n"
+
+
+def _conversation_rows(facts: RunFacts) -> list[tuple[str, str]]:
+    """The run report's first rows in every-turn mode: conversations and the steps that answered them."""
+    turns = facts.conversations
+    if turns is None:
+        return []
+    early = turns.ended_early
+    return [
+        ("conversations planned", f"{turns.planned:,}"),
+        (
+            "conversations finished",
+            f"{turns.finished:,} ({turns.outcomes.get(COMPLETE, 0):,} complete, {early:,} ended early)",
+        ),
+        ("steps generated (one generation each)", f"{turns.steps:,}"),
+        ("user turns answered (their first step)", f"{turns.user_turns:,}"),
+    ]
 
 
 def nothing_to_do_report(

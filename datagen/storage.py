@@ -286,6 +286,20 @@ class ObjectStore:
             raise self._translate(exc, "get", key) from exc
         return body
 
+    def iter_lines(self, key: str, chunk_size: int = 1 * MiB) -> Iterator[bytes]:
+        """An object's lines (split on newline bytes only, without them), streamed: never held whole."""
+        try:
+            body = self._client.get_object(Bucket=self.bucket, Key=self._full(key))["Body"]
+            pending = b""
+            for chunk in body.iter_chunks(chunk_size):
+                lines = (pending + chunk).split(b"\n")
+                pending = lines.pop()
+                yield from lines
+            if pending:
+                yield pending
+        except (ClientError, BotoCoreError) as exc:
+            raise self._translate(exc, "get", key) from exc
+
     def list(self, prefix: str = "", page_size: int = 1000) -> Iterator[ObjectInfo]:
         """Every object whose key starts with prefix, in key order (paginated; sha256 is not in listings)."""
         paginator = self._client.get_paginator("list_objects_v2")

@@ -43,6 +43,7 @@ from datagen.pinned import pin_facts
 from datagen.runspec import AUTO_NAMESPACE, QualityGate, RunSpec
 from datagen.settings import Settings
 from datagen.storage import ObjectStore, s3_preflight
+from datagen.turn_stats import StepTail, every_turn
 from tasks import (
     environment,
     finishing,
@@ -318,13 +319,28 @@ def _generate(
         settled_before = plan.n_prompts - sum(pending.values())
         label = f"Generation of {spec.namespace}: "
         reporter = report.ProgressReporter(
-            served.dispatcher, plan.n_prompts, settled_before, progress_id, logger, label=label
+            served.dispatcher,
+            plan.n_prompts,
+            settled_before,
+            progress_id,
+            logger,
+            label=label,
+            turns=_step_tail(plan, layout) if every_turn(spec) else None,
         )
         with reporter as progress:
             results = _generate_shards(plan, spec, layout, chat, served.dispatcher, stream)
         if progress.last_stats is not None:
             logger.info("%s", progress.last_stats.line())
         return _Generated(results, progress.last_stats, progress.throughput_series(), served.fleet.engine_version)
+
+
+def _step_tail(plan: planning.ShardPlan, layout: RunLayout) -> StepTail:
+    """Conversations and steps over the plan's checkpoint files (every-turn mode's progress and report counts)."""
+    return StepTail(
+        [layout.shard_completions(i) for i in plan.shard_ids],
+        [layout.shard_rejects(i) for i in plan.shard_ids],
+        planned=plan.n_prompts,
+    )
 
 
 def _generate_shards(
@@ -450,7 +466,12 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         create_progress_artifact(
             progress=0.0,
             key="generation-progress",
-            description=f"Generation of {spec.namespace}: prompts with a result, of {plan.n_prompts}",
+            description=f"Generation of {spec.namespace}: "
+            + (
+                f"conversations finished, of {plan.n_prompts}"
+                if every_turn(spec)
+                else f"prompts with a result, of {plan.n_prompts}"
+            ),
         ),
     )
     pending = pending_task(plan.shard_ids, layout, chat, spec)
@@ -462,6 +483,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
 
     tokenized = finish_dataset(spec, layout, chat, plan.n_load_rejects, shard_results, run_id, stream, plan_args)
     clock.mark("validation + tokenization")
+    turn_counts = _step_tail(plan, layout).poll() if every_turn(spec) else None
     lineage = {
         "run_spec": spec.model_dump(mode="json"),
         "model_path": spec.model_path,
@@ -476,9 +498,16 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         "rows": tokenized.n_rows,
         "rejects": tokenized.n_rejects,
         "rejects_by_reason": tokenized.rejects_by_reason,
-        # Every turn only (a `last` run's manifest is unchanged): conversations/ lines and their user turns.
-        **({"conversations": tokenized.conversations, "turns": tokenized.turns} if tokenized.conversations else {}),
-    }
+    } | (
+        # Every turn only (a `last` run's manifest is unchanged): the run's conversation counts, and the published
+        # conversations/ lines and user turns (one row each).
+        {
+            "conversations": turn_counts.summary()
+            | {"published": tokenized.conversations, "published_user_turns": tokenized.turns}
+        }
+        if turn_counts is not None
+        else {}
+    )
     published = publish_dataset(spec, layout, store, lineage, dry_run)
     clock.mark("publish")
     dataset_link = report.dataset_link(store, published.uri, settings.s3_console_url)
@@ -509,6 +538,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         final_stats=final_stats,
         throughput=generated.throughput,
         lengths=report.completion_lengths(Path(r.completions_path) for r in shard_results),
+        conversations=turn_counts,
     )
     create_markdown_artifact(
         markdown=report.run_report(facts),

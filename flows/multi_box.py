@@ -18,6 +18,7 @@ import secrets
 import socket
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any, cast
 from uuid import UUID
 
@@ -47,6 +48,7 @@ from datagen.report import quiet_per_shard_completions, run_name
 from datagen.runspec import ExchangeSpec, MultiBoxSpec, RunSpec
 from datagen.settings import Settings
 from datagen.storage import ObjectStore, s3_preflight
+from datagen.turn_stats import StepTail, every_turn
 from flows.expand_dataset import (
     check_environment_task,
     finish_dataset,
@@ -331,6 +333,17 @@ def expand_dataset_multibox(
     engine_versions = sorted({str(m["engine_version"]) for m in markers if m.get("engine_version")})
 
     tokenized = finish_dataset(spec, layout, chat, plan.n_load_rejects, shard_results, run_id)
+    # Every-turn mode: conversations and steps, counted from the collected checkpoint lines.
+    turns = (
+        StepTail(
+            [Path(r.completions_path) for r in shard_results],
+            [Path(r.rejects_path) for r in shard_results],
+            plan.n_prompts,
+        ).poll()
+        if every_turn(spec)
+        else None
+    )
+    conversations = {"conversations": turns.summary()} if turns is not None else {}
     lineage = {
         "run_spec": spec.model_dump(mode="json"),
         "model_path": spec.model_path,
@@ -344,7 +357,7 @@ def expand_dataset_multibox(
         "rows": tokenized.n_rows,
         "rejects": tokenized.n_rejects,
         "rejects_by_reason": tokenized.rejects_by_reason,
-    }
+    } | conversations
     published = publish_dataset(spec, layout, store, lineage, dry_run)
     create_link_artifact(
         link=published.uri,
@@ -364,7 +377,7 @@ def expand_dataset_multibox(
         "output_tokens": sum(r.output_tokens for r in shard_results),
         "wall_s": round(time.monotonic() - started, 1),
         "dry_run": dry_run,
-    }
+    } | conversations
     create_markdown_artifact(
         markdown="# Run report\n\n" + "\n".join(f"- **{k}**: {v}" for k, v in report.items()),
         key="run-report",

@@ -19,7 +19,7 @@ import os
 import random
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +29,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.chat import ChatTokenizer
-from datagen.checkpoint import CheckpointLine, append_lines, read_lines, read_rows, settled_keys
+from datagen.checkpoint import CheckpointLine, append_lines, read_lines, settled_keys
 from datagen.endpoints import ServerEndpoint
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.memory_plan import MemoryPlan
@@ -37,8 +37,8 @@ from datagen.identity import PromptIdentity, RequestKeys
 from datagen.layout import RunLayout
 from datagen.prompts import iter_prompts
 from datagen.quality import ValidationSummary
-from datagen.records import Message
 from datagen.runspec import RunSpec
+from tasks import pilot_turns
 from tasks.generation import read_prompts
 from tasks.ordering import LengthModel, LengthSample
 from tasks.planning import ShardPlan, plan_shards
@@ -499,6 +499,9 @@ class Projection(BaseModel):
     engine: dict[str, Any] = Field(
         default_factory=dict, description="The memory plans (pilot's servers, main run) and the decode roofline."
     )
+    conversations: dict[str, Any] | None = Field(
+        None, description="Every-turn mode: per step, per user turn and per conversation (tasks.pilot_turns)."
+    )
 
 
 def project(
@@ -515,25 +518,14 @@ def project(
     Per-source means weigh each source by its share of the full set (a stratified estimate), so a source the
     sample over-represents (min_per_source) does not skew the totals.
     """
-    tokens: dict[str, list[int]] = defaultdict(list)
-    row_tokens: dict[str, list[int]] = defaultdict(list)  # prompt + completion, for the dataset size
-    gen_rejects: Counter[str] = Counter()
-    samples: list[LengthSample] = []
-    for shard_id in plan.shard_ids:
-        for c in read_rows(layout.shard_completions(shard_id)):
-            tokens[c["source"]].append(int(c["completion_tokens"]))
-            row_tokens[c["source"]].append(int(c["prompt_tokens"]) + int(c["completion_tokens"]))
-            chars = sum(len(Message.from_dict(m).text) for m in c["messages"])
-            samples.append(
-                LengthSample(
-                    source=c["source"],
-                    category=c["category"],
-                    prompt_chars=chars,
-                    output_tokens=int(c["completion_tokens"]),
-                )
-            )
-        for r in read_rows(layout.shard_rejects(shard_id)):
-            gen_rejects[r["source"]] += 1
+    # A sample is a prompt in `last` mode and a whole conversation in every-turn mode (tasks.pilot_turns).
+    measured = pilot_turns.measure(layout, plan, summary.reject_paths)
+    tokens, row_tokens, gen_rejects, samples = (
+        measured.tokens,
+        measured.row_tokens,
+        measured.gen_rejects,
+        measured.samples,
+    )
     if not samples:
         raise RuntimeError(f"pilot {pilot.name!r}: no completions to project from (every request was rejected)")
 
@@ -541,25 +533,35 @@ def project(
     n_full = sum(pop.values())
     by_source: dict[str, Any] = {}
     total_tokens = total_rows = total_row_tokens = 0.0
-    total_rejects = 0.0
+    total_rejects = total_judged = total_steps = 0.0
     for source, n_pop in pop.items():
         t = tokens.get(source, [])
         sampled = len(t) + gen_rejects[source]
         if sampled == 0:
             continue
-        rejected = gen_rejects[source] + summary.rejected_by_source.get(source, 0)
         per_prompt = sum(t) / sampled  # generation rejects cost no output tokens
-        accept = 1 - rejected / sampled
-        mean_row = sum(row_tokens[source]) / len(t) if t else 0.0
+        if measured.rows is not None and measured.segments is not None and measured.steps is not None:
+            # Every-turn mode: rows are user-turn segments; a reject is a segment reached that made no row.
+            judged = measured.segments[source] / sampled
+            accept = measured.rows[source] / sampled  # rows per conversation
+            rejected_per = judged - accept
+            mean_row = sum(row_tokens[source]) / len(row_tokens[source]) if row_tokens[source] else 0.0
+            total_steps += measured.steps[source] / sampled * n_pop
+        else:
+            judged = 1.0
+            rejected_per = (gen_rejects[source] + summary.rejected_by_source.get(source, 0)) / sampled
+            accept = 1 - rejected_per
+            mean_row = sum(row_tokens[source]) / len(t) if t else 0.0
         by_source[source] = {
             **_dist(t),
             "population": n_pop,
             "sampled": sampled,
-            "reject_rate": round(rejected / sampled, 4),
+            "reject_rate": round(rejected_per / judged, 4),
             "projected_tokens": round(per_prompt * n_pop),
         }
         total_tokens += per_prompt * n_pop
-        total_rejects += rejected / sampled * n_pop
+        total_rejects += rejected_per * n_pop
+        total_judged += judged * n_pop
         total_rows += accept * n_pop
         total_row_tokens += accept * n_pop * mean_row
     all_tokens = [v for t in tokens.values() for v in t]
@@ -615,7 +617,7 @@ def project(
             "selection": population.selection.model_dump(),
         },
         output_tokens={
-            **_dist(all_tokens),
+            **_dist(measured.request_tokens),  # per request (a step in every-turn mode): the memory plan's figure
             "mean_per_prompt_projected": round(total_tokens / n_full, 1) if n_full else 0.0,
             "projected_total": round(total_tokens),
             "pilot_total": pilot_tokens,
@@ -633,12 +635,14 @@ def project(
             "wall_s_reusing_pilot": round(walls["wall_s_reusing_pilot"], 1),
             "wall_s_saturated_bound": round(bound, 1),
             "tail_s": round(wall - bound, 1),
-            "reject_rate": round(total_rejects / n_full, 4) if n_full else 0.0,
+            "reject_rate": round(total_rejects / total_judged, 4) if total_judged else 0.0,
             "rows": round(total_rows),
             "dataset_tokens": round(total_row_tokens),
             "dataset_bytes_uncompressed": round(total_row_tokens * BYTES_PER_TOKEN),
-        },
+        }
+        | ({"steps": round(total_steps)} if measured.conversations is not None else {}),
         length_model=length_model,
+        conversations=measured.conversations,
     )
 
 
@@ -661,15 +665,16 @@ def engine_section(pilot_plan: MemoryPlan | None, main_plan: MemoryPlan | None, 
 def render_projection(p: Projection) -> str:
     """The pilot report as markdown (the Prefect artifact and pilot.md)."""
     pr, ot, th = p.projection, p.output_tokens, p.throughput
+    what, request = ("conversations", "step") if p.conversations else ("prompts", "completion")
     lines = [
-        f"# Pilot `{p.pilot['name']}`: projection for {p.pilot['population']:,} prompts on {pr['servers']} servers",
+        f"# Pilot `{p.pilot['name']}`: projection for {p.pilot['population']:,} {what} on {pr['servers']} servers",
         "",
-        f"Sample: {p.pilot['sampled']:,} prompts (seed {p.pilot['seed']}), stratified by source.",
+        f"Sample: {p.pilot['sampled']:,} {what} (seed {p.pilot['seed']}), stratified by source.",
         "",
         "| measure | value |",
         "|---|---:|",
         f"| output tokens, total (projected) | {ot['projected_total']:,} |",
-        f"| output tokens per completion: mean / p50 / p90 / p99 | "
+        f"| output tokens per {request}: mean / p50 / p90 / p99 | "
         f"{ot['mean']:,} / {ot['p50']:,} / {ot['p90']:,} / {ot['p99']:,} |",
         f"| throughput per server (measured, {th['method']}) | {th['per_server_tokens_per_s']:,} tok/s |",
         *_engine_rows(p.engine),
@@ -683,6 +688,7 @@ def render_projection(p: Projection) -> str:
         f"| dataset rows / tokens | {pr['rows']:,} / {pr['dataset_tokens']:,} |",
         f"| dataset size (uncompressed ids + mask) | {pr['dataset_bytes_uncompressed'] / 1e9:,.2f} GB |",
         "",
+        *(["Per source, output tokens per conversation (its steps summed):", ""] if p.conversations else []),
         "| source | population | sampled | mean | p50 | p90 | p99 | reject rate | projected tokens |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -691,6 +697,7 @@ def render_projection(p: Projection) -> str:
             f"| {source} | {s['population']:,} | {s['sampled']:,} | {s['mean']:,} | {s['p50']:,} | {s['p90']:,} "
             f"| {s['p99']:,} | {s['reject_rate']:.1%} | {s['projected_tokens']:,} |"
         )
+    lines += pilot_turns.turn_report(p.conversations, pr)
     return "\n".join(lines) + "\n"
 
 
@@ -757,21 +764,26 @@ def import_pilot(
         pilot_requests=len(completions) + len(rejects), imported_completions=0, imported_rejects=0, already_present=0
     )
     key_of = RequestKeys(spec.sampling, chat)
+    # Every-turn mode: a conversation's steps carry `<its key>:step-N` and go together. A conversation the main
+    # run holds any step of is not touched: a pilot step conditioned on another history would not continue it.
+    steps = pilot_turns.keys_by_conversation([*completions, *rejects])
     for shard_id in plan.shard_ids:
         comp_path, rej_path = layout.shard_completions(shard_id), layout.shard_rejects(shard_id)
         settled = settled_keys(comp_path, "completion") | settled_keys(rej_path, "reject")
         wanted_c: list[CheckpointLine] = []
         wanted_r: list[CheckpointLine] = []
         for prompt in read_prompts(layout.shard_prompts(shard_id)):
-            key = key_of(prompt.prompt_id)
-            if key in settled:
-                report.already_present += key in completions or key in rejects
+            keys = steps.get(key_of(prompt.prompt_id), [])
+            present = sum(key in settled for key in keys)
+            if present:
+                report.already_present += present
                 continue
-            if key in completions:
-                wanted_c.append(completions[key])
-            elif key in rejects:
-                wanted_r.append(rejects[key])
-            settled.add(key)
+            for key in keys:
+                if key in completions:
+                    wanted_c.append(completions[key])
+                elif key in rejects:
+                    wanted_r.append(rejects[key])
+                settled.add(key)
         # append_lines cuts a torn tail off first (the checkpoint policy), so a crashed shard is no obstacle.
         report.imported_completions += append_lines(comp_path, wanted_c)
         report.imported_rejects += append_lines(rej_path, wanted_r)

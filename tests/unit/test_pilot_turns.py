@@ -1,0 +1,191 @@
+"""The pilot in every-turn mode: a hand-computed projection from step lines (its sample is conversations)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from datagen.chat import ChatTokenizer
+from datagen.checkpoint import settled_keys
+from datagen.identity import RequestKeys
+from datagen.layout import RunLayout
+from datagen.model_fixture import ensure_model_dir
+from datagen.quality import ValidationSummary
+from datagen.records import Completion, Message, Prompt, Reject
+from datagen.runspec import PromptSource, RunSpec
+from tasks.pilot import PilotPopulation, PilotSpec, import_pilot, project, render_projection
+from tasks.pilot_turns import conversation_key, user_turns
+from tasks.planning import ShardEntry, ShardPlan, plan_shards
+from tasks.selection import SelectionReport
+
+
+def _step(pid: str, src: str, n: int, turn: int, tokens: int, prompt_tokens: int, **kw: object) -> Completion:
+    return Completion(
+        prompt_id=pid,
+        source=src,
+        row=0,
+        messages=[Message("user", "q")],
+        request_key=f"k-{pid}:step-{n}",
+        prompt_tokens=prompt_tokens,
+        output_ids=[1] * tokens,
+        text="",
+        finish_reason="stop",
+        completion_tokens=tokens,
+        category=src,
+        step=n,
+        turn_index=turn,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def _prompt(pid: str, src: str, users: int, tool_result: bool = False) -> Prompt:
+    messages = [Message("system", "be brief")]
+    for i in range(users):
+        messages += [Message("user", f"question {i} " * 5), Message("assistant", "the other model's answer")]
+        if tool_result:
+            messages += [Message("user", "<tool_response>\n42\n</tool_response>"), Message("assistant", "ok")]
+    return Prompt(prompt_id=pid, source=src, row=0, messages=messages, category=src)
+
+
+def _hand_case(tmp_path: Path) -> tuple[RunLayout, ShardPlan, PilotPopulation, ValidationSummary]:
+    """Source a (100 conversations), sampled a1, a2; source b (50), sampled b1, b2.
+
+    a1: turn 0 = a call (10 tokens) and its continuation (20, bridge), turn 1 (30): complete; validation
+        rejects its turn-1 step -> 1 row (80 + 20 = 100 tokens) of 2 segments reached.
+    a2: turn 0 (40 tokens) diverges from the recorded call -> 1 row (60 + 40 = 100).
+    b1: refused on its first step (context) -> no output, 1 segment reached, no row.
+    b2: turn 0 (20 tokens) -> a row of 60; turn 1 (64) truncated -> no row.
+    """
+    layout = RunLayout(tmp_path)
+    layout.shards_dir.mkdir(parents=True)
+    prompts = [_prompt("a1", "a", 2), _prompt("a2", "a", 1, tool_result=True), _prompt("b1", "b", 1)]
+    prompts.append(_prompt("b2", "b", 2))
+    layout.shard_prompts(0).write_text("".join(p.to_json() + "\n" for p in prompts))
+    steps = [
+        _step("a1", "a", 0, 0, 10, 50),
+        _step("a2", "a", 0, 0, 40, 60, outcome="tool_call_divergence"),
+        _step("a1", "a", 1, 0, 20, 80, bridge_ids=[5, 6]),
+        _step("b2", "b", 0, 0, 20, 40),
+        _step("a1", "a", 2, 1, 30, 150, outcome="complete"),
+        _step("b2", "b", 1, 1, 64, 100, outcome="truncated"),
+    ]
+    layout.shard_completions(0).write_text("".join(c.to_json() + "\n" for c in steps))
+    refused = Reject("generate", "context_exceeded", "turn 0", "b", prompt_id="b1", request_key="k-b1:step-0")
+    layout.shard_rejects(0).write_text(refused.to_json() + "\n")
+    validation = tmp_path / "validated" / "shard-00000.rejects.jsonl"
+    validation.parent.mkdir()
+    placeholder = Reject("validate", "placeholder", "turn 1", "a", prompt_id="a1", request_key="k-a1:step-2")
+    validation.write_text(placeholder.to_json() + "\n")
+    plan = ShardPlan(
+        shard_size=4, shard_ids=[0], shards=[ShardEntry(shard_id=0, n_prompts=4, sha256="0" * 64)], n_rows=4,
+        n_prompts=4, n_load_rejects=0, prompts_by_source={"a": 2, "b": 2}, load_rejects_by_source={},
+        load_rejects_by_reason={}, prompts_by_category={"a": 2, "b": 2}, n_uncategorized=0,
+        load_rejects_sha256="0" * 64, plan_sha256="0" * 64,
+    )  # fmt: skip
+    population = PilotPopulation(
+        population_by_source={"a": 100, "b": 50}, sample_by_source={"a": 2, "b": 2}, selection=SelectionReport()
+    )
+    # Validation's counts are per step here; every-turn projection reads its reject files, not these.
+    return layout, plan, population, ValidationSummary(rejected_by_source={"a": 1}, reject_paths=[str(validation)])
+
+
+def test_user_turns_are_queries_not_tool_response_text() -> None:
+    assert user_turns(_prompt("x", "a", 2)) == 2
+    assert user_turns(_prompt("x", "a", 2, tool_result=True)) == 2
+
+
+def test_every_turn_projection_of_a_hand_computed_case(tmp_path: Path) -> None:
+    layout, plan, population, summary = _hand_case(tmp_path)
+    p = project(
+        layout,
+        plan,
+        population,
+        summary,
+        {"aggregate_tokens_per_s": 100.0, "servers": 2, "method": "whole_run"},
+        4,
+        PilotSpec(),
+    )
+    out, pr, conv = p.output_tokens, p.projection, p.conversations
+    assert conv is not None
+    # a: conversations of 60 and 40 tokens -> 50 each -> 5,000. b: 84 and a refusal (0) -> 42 each -> 2,100.
+    assert out["by_source"]["a"]["projected_tokens"] == 5000 and out["by_source"]["b"]["projected_tokens"] == 2100
+    assert out["projected_total"] == 7100 and out["pilot_total"] == 184
+    # The per-request figure (the memory plan's) is per step: 10, 20, 30, 40, 20, 64.
+    assert out["n"] == 6 and out["mean"] == 30.7 and out["max"] == 64
+    # Rows are user-turn segments: a makes 2 of the 3 it reached (1 per conversation), b 1 of 3.
+    assert out["by_source"]["a"]["reject_rate"] == 0.3333 and out["by_source"]["b"]["reject_rate"] == 0.6667
+    assert pr["rows"] == 125  # 1 x 100 + 0.5 x 50
+    assert pr["dataset_tokens"] == 11500  # 100 rows of 100 tokens + 25 of 60
+    assert pr["reject_rate"] == 0.4444  # (0.5 x 100 + 1 x 50) / (1.5 x 100 + 1.5 x 50)
+    assert pr["steps"] == 250  # a: 2 steps per conversation, b: 1
+    # 50 tok/s per server, 4 servers: 7,100 / 200.
+    assert pr["wall_s"] == 35.5
+    assert (conv["conversations"], conv["finished"], conv["steps"], conv["user_turns"]) == (4, 4, 6, 5)
+    assert conv["steps_per_user_turn"]["max"] == 2 and conv["user_turns_per_conversation"]["max"] == 2
+    assert conv["user_turns_in_source"]["mean"] == 1.5
+    assert conv["outcomes"] == {"complete": 1, "tool_call_divergence": 1, "context_exceeded": 1, "truncated": 1}
+    assert conv["ended_early"]["truncated"] == 0.25
+    assert conv["rows_per_conversation"] == 0.75
+    text = render_projection(p)
+    assert "projection for 150 conversations" in text and "output tokens per step" in text
+    assert "| steps per user turn: mean / p90 / max | 1.2 / 2 / 2 |" in text
+    assert "| tool_call_divergence | 1 | 25.0% |" in text and "| steps projected for the full set | 250 |" in text
+
+
+def test_the_decode_simulation_holds_a_slot_for_a_whole_conversation(tmp_path: Path) -> None:
+    layout, plan, population, summary = _hand_case(tmp_path)
+    throughput = {
+        "aggregate_tokens_per_s": 100.0, "servers": 1, "step_base_s": 0.01, "step_per_req_s": 0.0,
+        "slots_per_server": 1, "ramp_s": 0.0,
+    }  # fmt: skip
+    p = project(layout, plan, population, summary, throughput, 1, PilotSpec())
+    # One slot, 10 ms a token: a's 100 conversations (60 and 40 tokens, 50 of each) and b's 25 that produce
+    # output (84 tokens each): 7,100 tokens one after another.
+    assert p.projection["wall_s"] == pytest.approx(71.0)
+    # The length model (the main run's long-first order) predicts a conversation's total output.
+    assert p.length_model.by_source["a"].mean == 50.0 and p.length_model.by_source["b"].mean == 84.0
+
+
+def test_a_main_run_imports_every_step_of_the_pilots_conversations(tmp_path: Path) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"instruction": f"question {i}"}) + "\n" for i in range(3)))
+    spec = RunSpec(sources=[PromptSource(path=str(prompts))], shard_size=3, model_path=str(ensure_model_dir()))
+    chat = ChatTokenizer.shared(spec.model_path)
+    pilot_layout, main_layout = RunLayout(tmp_path / "pilot"), RunLayout(tmp_path / "main")
+    plan = plan_shards(spec, main_layout)
+    key_of = RequestKeys(spec.sampling, chat)
+    pids = [Prompt.from_json(line).prompt_id for line in main_layout.shard_prompts(0).read_text().splitlines()]
+
+    def line(i: int, n: int, **kw: object) -> str:
+        c = _step(pids[i], "p", n, 0, 5, 10, **kw)
+        c.request_key = f"{key_of(pids[i])}:step-{n}"
+        return c.to_json() + "\n"
+
+    pilot_layout.shards_dir.mkdir(parents=True)
+    # Conversation 0: three steps, complete. Conversation 1: a step, then refused. Conversation 2: not in the pilot.
+    pilot_layout.shard_completions(0).write_text(
+        line(0, 0) + line(1, 0) + line(0, 1, bridge_ids=[1]) + line(0, 2, outcome="complete")
+    )
+    refused = Reject("generate", "context_exceeded", "turn 0", "p", prompt_id=pids[1])
+    refused.request_key = f"{key_of(pids[1])}:step-1"
+    pilot_layout.shard_rejects(0).write_text(refused.to_json() + "\n")
+    result = import_pilot(pilot_layout, main_layout, plan, spec, chat)
+
+    assert (result.imported_completions, result.imported_rejects, result.already_present) == (4, 1, 0)
+    rows = [json.loads(x) for x in main_layout.shard_completions(0).read_text().splitlines()]
+    assert [(r["prompt_id"], r["step"]) for r in rows] == [(pids[0], 0), (pids[0], 1), (pids[0], 2), (pids[1], 0)]
+    assert settled_keys(main_layout.shard_rejects(0), "reject") == {f"{key_of(pids[1])}:step-1"}
+    assert import_pilot(pilot_layout, main_layout, plan, spec, chat).already_present == 5  # idempotent
+
+    # A main run that generated conversation 0's first step itself: the pilot's later steps answer another
+    # history, so none of the conversation is copied.
+    other = RunLayout(tmp_path / "other")
+    plan = plan_shards(spec, other)
+    other.shard_completions(0).write_text(line(0, 0))
+    result = import_pilot(pilot_layout, other, plan, spec, chat)
+    assert (result.imported_completions, result.imported_rejects, result.already_present) == (1, 1, 1)
+    rows = [json.loads(x) for x in other.shard_completions(0).read_text().splitlines()]
+    assert [(r["prompt_id"], r["step"]) for r in rows] == [(pids[0], 0), (pids[1], 0)]
+    assert conversation_key("abc:step-12") == "abc" and conversation_key("abc") == "abc"
