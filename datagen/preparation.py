@@ -12,6 +12,7 @@ which fetches only the prompts file).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import tempfile
@@ -127,6 +128,11 @@ class RenderedIds:
     def __getitem__(self, row: int) -> list[int]:
         ids: list[int] = self._column[row].values.to_pylist()
         return ids
+
+    def lengths(self) -> list[int]:
+        """Tokens of every row, from the offsets alone (no ids are copied)."""
+        offsets = self._column.offsets.to_pylist()
+        return [b - a for a, b in itertools.pairwise(offsets)]
 
 
 def read_rendered(prompts_path: Path, render_key: str) -> RenderedIds | None:

@@ -33,6 +33,7 @@ from datagen import alerts, catalog, paths, report
 from datagen.chat import ChatTokenizer
 from datagen.checks import CheckResult
 from datagen.dataset_card import Lineage, write_dataset_card
+from datagen.engine import plan_trial
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.launcher import ServerFleet
 from datagen.engine.memory_plan import numerics_flags
@@ -394,9 +395,6 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         else set()
     )
     projection = pilot.load_projection(settings.work_dir, spec.pilot) if spec.pilot else None
-    mean_output = float(projection.output_tokens["mean"]) if projection else None
-    memory_plan, memory_why = memory_plan_task(settings, spec, None, mean_output)
-    logger.info("memory plan: %s", memory_why)
     select, selection = ordering.run_filter(
         spec, skip, layout.root / "sort-spill", projection.length_model if projection else None
     )
@@ -441,6 +439,19 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         }
         # A Completed state with a message: the run list and the run page say "nothing new" at a glance.
         return cast("dict[str, Any]", Completed(message=message, data={**summary, "message": message}))
+    # After planning: the plan sizes for the prompts as rendered, the pilot's measured output and its trial.
+    kept, kept_why = plan_trial.kept_candidate(projection.engine if projection else None)
+    memory_plan, memory_why = memory_plan_task(
+        settings,
+        spec,
+        None,
+        float(projection.output_tokens["mean"]) if projection else None,
+        planning.prompt_tokens(plan, layout, spec),
+        turns_per_conversation=planning.conversation_turns(plan, layout),
+        prefer=kept,
+        prefer_why=kept_why,
+    )
+    logger.info("memory plan: %s", memory_why)
     if spec.pilot:
         reused = import_pilot_task(RunLayout.for_run(settings.work_dir, spec.pilot), layout, plan, spec, chat)
         logger.info("reused %d completions of pilot %s", reused.imported_completions, spec.pilot)
