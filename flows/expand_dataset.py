@@ -8,7 +8,7 @@ references (paths, counts, checksums), never the records themselves.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -228,10 +228,13 @@ def finish_dataset(
     run_id: str | None,
     stream: finishing.StreamingFinish | None = None,
     plan_args: Sequence[str] = (),
+    plan_note: str | None = None,
+    plan_args_by_box: Mapping[str, Sequence[str]] | None = None,
 ) -> tokenization.TokenizationSummary:
     """Gate what the stream validated, close tokenization, gate again and write the dataset card.
 
     Without a `stream` (callers that did not finish shards while generating), every shard is finished here.
+    `plan_args` (or `plan_args_by_box`, a multi-box run) and `plan_note` are the memory plan the card records.
     """
     if stream is None:
         stream = finishing.StreamingFinish([r.shard_id for r in shard_results], layout, chat, spec)
@@ -274,6 +277,8 @@ def finish_dataset(
             server_args=spec.server_args,
             numerics_flags=numerics_flags(spec.server_args),
             memory_plan=list(plan_args),
+            memory_plan_by_box={box: list(args) for box, args in (plan_args_by_box or {}).items()},
+            memory_plan_note=plan_note,
             # The first attempt's: a re-run must publish the README.md its interrupted attempt claimed.
             run_id=pinned.run_id,
             created_at=pinned.created_at,
@@ -471,7 +476,10 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
     shard_results, final_stats = generated.shard_results, generated.final_stats
     clock.mark("generation")
 
-    tokenized = finish_dataset(spec, layout, chat, plan.n_load_rejects, shard_results, run_id, stream, plan_args)
+    note = f"kept by the pilot's side-by-side trial: {kept_why}" if memory_plan and memory_plan.kept_by_trial else None
+    tokenized = finish_dataset(
+        spec, layout, chat, plan.n_load_rejects, shard_results, run_id, stream, plan_args, plan_note=note
+    )
     clock.mark("validation + tokenization")
     lineage = {
         "run_spec": spec.model_dump(mode="json"),

@@ -591,6 +591,7 @@ class MemoryPlan:
     reasons: list[str] = field(default_factory=list)
     roofline_tokens_per_s: float | None = None
     candidate_args: dict[str, list[str]] = field(default_factory=dict)  # each candidate's flags as launched
+    kept_by_trial: str | None = None  # why, when a pilot's side-by-side trial chose the candidate
 
     def args_for(self, candidate: Candidate) -> list[str]:
         """The flags the launcher would add to run `candidate` (the spec's explicit flags left out)."""
@@ -639,6 +640,7 @@ class MemoryPlan:
             "sizing": asdict(launched),
             "candidates": {c.name: {"args": c.flags.to_args(), "running": c.concurrency} for c in self.candidates},
             "reasons": self.reasons,
+            "kept_by_trial": self.kept_by_trial,
         }
 
 
@@ -806,6 +808,7 @@ def plan_memory(
         launched=sglang_sizing(model, gpu, launched_flags),
         reasons=reasons,
         candidate_args={c.name: _launch_args(c, gpu, server_args)[1] for c in candidates},
+        kept_by_trial=(prefer_why or prefer) if prefer is not None else None,
     )
     plan.roofline_tokens_per_s = decode_roofline(
         model, gpu, plan.launched.concurrency(context_tokens) if plan.launched else 0, context_tokens
