@@ -175,6 +175,5 @@ def report_rows(engine: dict[str, Any]) -> list[str]:
         )
         flags = " ".join(arm["plan_args"]) or "SGLang defaults"
         rows.append(f"| candidate '{name}'{mark} on {', '.join(arm['servers'])}: {flags} | {measured} |")
-    kept = f"'{trial['kept']}': " if trial["kept"] else "none: "
-    rows.append(f"| plan kept for the main run ({trial['method']}) | {kept}{trial['why']} |")
+    rows.append(f"| plan kept for the main run ({trial['method']}) | {trial['why']} |")
     return rows
