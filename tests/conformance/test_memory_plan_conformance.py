@@ -234,6 +234,17 @@ def test_multi_turn_choice_weighs_the_real_state_slots_per_request(judged: dict[
         why = next(r for r in plan.reasons if r.startswith("turns extend a prefix"))
         assert f"({radix_running} running)" in why and f"({no_radix_running} running," in why
         chosen[label] = plan.chosen
+    # docs/real-engine.md's multi-turn table holds these caps and choices.
+    rows = re.findall(
+        r"^\| (\d+)K \| (\d+) \| ([\d,]+) \| (\d+) \| (\d+) \| (on|off):", DOC.read_text(encoding="utf-8"), re.M
+    )
+    documented = {f"{int(k) * 1024} every x{t}": (int(on), int(off), c) for k, t, _, on, off, c in rows}
+    for label, plan in plans:
+        if label in chosen:
+            radix = plan.candidate("radix-balanced").concurrency
+            off = plan.candidate("no-radix-balanced").concurrency
+            assert documented[label] == (radix, off, "on" if plan.chosen == "radix-balanced" else "off"), label
+    assert len(documented) == len(MULTI_TURN), f"{DOC} lost its multi-turn rows: {documented}"
     assert chosen == {
         "4096 every x2": "no-radix-balanced",
         "8192 every x4": "no-radix-balanced",
