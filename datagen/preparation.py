@@ -12,7 +12,6 @@ which fetches only the prompts file).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import tempfile
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from datagen.chat import ChatTokenizer, Tools
 from datagen.prompt_view import PromptView, PromptViewError, model_view
@@ -129,10 +129,9 @@ class RenderedIds:
         ids: list[int] = self._column[row].values.to_pylist()
         return ids
 
-    def lengths(self) -> list[int]:
+    def lengths(self) -> pa.Array:
         """Tokens of every row, from the offsets alone (no ids are copied)."""
-        offsets = self._column.offsets.to_pylist()
-        return [b - a for a, b in itertools.pairwise(offsets)]
+        return pc.list_value_length(self._column)
 
 
 def read_rendered(prompts_path: Path, render_key: str) -> RenderedIds | None:

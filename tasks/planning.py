@@ -20,6 +20,8 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.engine.memory_plan import PromptTokens
@@ -307,17 +309,18 @@ def prompt_tokens(plan: ShardPlan, layout: RunLayout, spec: RunSpec) -> PromptTo
     shard has one.
     """
     render_key = PromptIdentity.for_spec(spec).preparer.render_key
-    lengths: list[int] = []
-    measured = 0
+    chunks: list[pa.Array] = []
     for entry in plan.shards:
         rendered = read_rendered(layout.shard_prompts(entry.shard_id), render_key)
         if rendered is not None:
-            lengths += rendered.lengths()
-            measured += 1
-    if not lengths:
+            chunks.append(rendered.lengths())
+    lengths = pa.chunked_array(chunks, pa.int32())
+    if len(lengths) == 0:
         return None
-    where = f"measured at planning from the rendered prompts of {measured} of {len(plan.shards)} shards"
-    return PromptTokens.measured(lengths, where)
+    where = f"measured at planning from the rendered prompts of {len(chunks)} of {len(plan.shards)} shards"
+    # Arrow computes over the offsets: no Python int per prompt at 1M prompts.
+    p99 = pc.quantile(lengths, q=PromptTokens.PERCENTILE, interpolation="higher")[0].as_py()
+    return PromptTokens(len(lengths), pc.mean(lengths).as_py(), int(p99), pc.max(lengths).as_py(), where)
 
 
 def conversation_turns(plan: ShardPlan, layout: RunLayout, sample: int = 20_000) -> float:

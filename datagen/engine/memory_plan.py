@@ -26,7 +26,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import Any, ClassVar, Literal, NoReturn
 
 __all__ = [
     "CUDA_CONTEXT_BYTES",
@@ -461,13 +461,15 @@ class PromptTokens:
     max: int
     source: str
 
+    PERCENTILE: ClassVar[float] = 0.99
+
     @classmethod
     def measured(cls, lengths: Sequence[int], source: str) -> PromptTokens:
-        """Mean, 99th percentile (nearest rank) and longest of `lengths`."""
+        """Mean, 99th percentile (the next value up, as Arrow's quantile "higher") and longest of `lengths`."""
         if not lengths:
             raise ValueError("no prompt lengths to measure")
         ordered = sorted(lengths)
-        p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+        p99 = ordered[math.ceil(cls.PERCENTILE * (len(ordered) - 1))]
         return cls(len(ordered), sum(ordered) / len(ordered), p99, ordered[-1], source)
 
     def describe(self) -> str:

@@ -21,6 +21,7 @@ from datagen.engine.memory_plan import (
     GpuMemory,
     ModelShape,
     PrefixReuse,
+    PromptTokens,
     choose_prefix_reuse,
     decode_roofline,
     expected_context,
@@ -267,6 +268,9 @@ def test_planning_measures_prompt_tokens_from_its_render_and_the_plan_sizes_for_
     )
     assert measured is not None and measured.n == 30 and measured.max == expected[-1]
     assert measured.mean == pytest.approx(sum(expected) / 30) and measured.p99 == expected[-1]
+    by_python = PromptTokens.measured(expected, measured.source)  # the same definitions, in Arrow and in Python
+    assert (by_python.n, by_python.p99, by_python.max) == (measured.n, measured.p99, measured.max)
+    assert PromptTokens.measured(list(range(1, 201)), "x").p99 == 199  # index ceil(0.99 x 199) = 198 holds 199
     assert "5 of 5 shards" in measured.source
     assert planning.conversation_turns(plan, layout) == 1.0
 
