@@ -56,6 +56,12 @@ class Lineage(BaseModel):
         description="Launch flags that change or may change outputs (SSM/KV dtype, quantization, speculative).",
     )
     memory_plan: list[str] = Field(default_factory=list, description="Tuning flags the engine's memory plan added.")
+    memory_plan_by_box: dict[str, list[str]] = Field(
+        default_factory=dict, description="Multi-box runs: each box's memory plan flags (from its own GPU probe)."
+    )
+    memory_plan_note: str | None = Field(
+        None, description="How the plan was chosen when not by sizing alone (a pilot's side-by-side trial)."
+    )
     run_id: str | None = Field(None, description="Prefect flow run id.")
     created_at: str | None = Field(None, description="ISO timestamp of the run.")
 
@@ -155,7 +161,7 @@ tokenized for training a speculative-decoding drafter on the target model's own 
 - model fingerprint `{lineage.model_fingerprint}`, chat template `{lineage.template_hash}`,
   datagen {lineage.pipeline_version}
 - numerics: {" ".join(lineage.numerics_flags) or "BF16 weights, KV cache and conv state, FP32 SSM state (defaults)"};
-  memory plan flags (no effect on outputs): {" ".join(lineage.memory_plan) or "none"}
+  memory plan flags (no effect on outputs): {_memory_plan_line(lineage)}
 
 | source | rows | share |
 |---|---:|---:|
@@ -168,3 +174,14 @@ tokenized for training a speculative-decoding drafter on the target model's own 
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
     return path
+
+
+def _memory_plan_line(lineage: Lineage) -> str:
+    """The card's memory plan flags: one list, or each box's; and how the plan was kept, when a trial chose it."""
+    if lineage.memory_plan_by_box:
+        line = "; ".join(
+            f"{box}: {' '.join(args) or 'none'}" for box, args in sorted(lineage.memory_plan_by_box.items())
+        )
+    else:
+        line = " ".join(lineage.memory_plan) or "none"
+    return f"{line} ({lineage.memory_plan_note})" if lineage.memory_plan_note else line

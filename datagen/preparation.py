@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from datagen.chat import ChatTokenizer, Tools
 from datagen.prompt_view import PromptView, PromptViewError, model_view
@@ -127,6 +128,10 @@ class RenderedIds:
     def __getitem__(self, row: int) -> list[int]:
         ids: list[int] = self._column[row].values.to_pylist()
         return ids
+
+    def lengths(self) -> pa.Array:
+        """Tokens of every row, from the offsets alone (no ids are copied)."""
+        return pc.list_value_length(self._column)
 
 
 def read_rendered(prompts_path: Path, render_key: str) -> RenderedIds | None:

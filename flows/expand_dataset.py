@@ -8,7 +8,7 @@ references (paths, counts, checksums), never the records themselves.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -33,6 +33,7 @@ from datagen import alerts, catalog, paths, report
 from datagen.chat import ChatTokenizer
 from datagen.checks import CheckResult
 from datagen.dataset_card import Lineage, write_dataset_card
+from datagen.engine import plan_trial
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.launcher import ServerFleet
 from datagen.engine.memory_plan import numerics_flags
@@ -228,10 +229,13 @@ def finish_dataset(
     run_id: str | None,
     stream: finishing.StreamingFinish | None = None,
     plan_args: Sequence[str] = (),
+    plan_note: str | None = None,
+    plan_args_by_box: Mapping[str, Sequence[str]] | None = None,
 ) -> tokenization.TokenizationSummary:
     """Gate what the stream validated, close tokenization, gate again and write the dataset card.
 
     Without a `stream` (callers that did not finish shards while generating), every shard is finished here.
+    `plan_args` (or `plan_args_by_box`, a multi-box run) and `plan_note` are the memory plan the card records.
     """
     if stream is None:
         stream = finishing.StreamingFinish([r.shard_id for r in shard_results], layout, chat, spec)
@@ -274,6 +278,8 @@ def finish_dataset(
             server_args=spec.server_args,
             numerics_flags=numerics_flags(spec.server_args),
             memory_plan=list(plan_args),
+            memory_plan_by_box={box: list(args) for box, args in (plan_args_by_box or {}).items()},
+            memory_plan_note=plan_note,
             # The first attempt's: a re-run must publish the README.md its interrupted attempt claimed.
             run_id=pinned.run_id,
             created_at=pinned.created_at,
@@ -410,9 +416,6 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         else set()
     )
     projection = pilot.load_projection(settings.work_dir, spec.pilot) if spec.pilot else None
-    mean_output = float(projection.output_tokens["mean"]) if projection else None
-    memory_plan, memory_why = memory_plan_task(settings, spec, None, mean_output)
-    logger.info("memory plan: %s", memory_why)
     select, selection = ordering.run_filter(
         spec, skip, layout.root / "sort-spill", projection.length_model if projection else None
     )
@@ -457,6 +460,19 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         }
         # A Completed state with a message: the run list and the run page say "nothing new" at a glance.
         return cast("dict[str, Any]", Completed(message=message, data={**summary, "message": message}))
+    # After planning: the plan sizes for the prompts as rendered, the pilot's measured output and its trial.
+    kept, kept_why = plan_trial.kept_candidate(projection.engine if projection else None)
+    memory_plan, memory_why = memory_plan_task(
+        settings,
+        spec,
+        None,
+        float(projection.output_tokens["mean"]) if projection else None,
+        planning.prompt_tokens(plan, layout, spec),
+        turns_per_conversation=planning.conversation_turns(plan, layout),
+        prefer=kept,
+        prefer_why=kept_why,
+    )
+    logger.info("memory plan: %s", memory_why)
     if spec.pilot:
         reused = import_pilot_task(RunLayout.for_run(settings.work_dir, spec.pilot), layout, plan, spec, chat)
         logger.info("reused %d completions of pilot %s", reused.imported_completions, spec.pilot)
@@ -481,7 +497,10 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
     shard_results, final_stats = generated.shard_results, generated.final_stats
     clock.mark("generation")
 
-    tokenized = finish_dataset(spec, layout, chat, plan.n_load_rejects, shard_results, run_id, stream, plan_args)
+    note = f"kept by the pilot's side-by-side trial: {kept_why}" if memory_plan and memory_plan.kept_by_trial else None
+    tokenized = finish_dataset(
+        spec, layout, chat, plan.n_load_rejects, shard_results, run_id, stream, plan_args, plan_note=note
+    )
     clock.mark("validation + tokenization")
     turn_counts = _step_tail(plan, layout).poll() if every_turn(spec) else None
     lineage = {

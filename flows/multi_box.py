@@ -18,6 +18,7 @@ import secrets
 import socket
 import time
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, cast
 from uuid import UUID
@@ -42,6 +43,7 @@ import datagen
 from datagen import alerts, paths
 from datagen.chat import ChatTokenizer
 from datagen.engine.dispatcher import Dispatcher
+from datagen.engine.memory_plan import MemoryPlan, PromptTokens
 from datagen.identity import RequestKeys
 from datagen.layout import RunLayout
 from datagen.report import quiet_per_shard_completions, run_name
@@ -58,7 +60,7 @@ from flows.expand_dataset import (
     publish_dataset,
     published_before,
 )
-from tasks import generation
+from tasks import generation, planning
 from tasks.planning import ShardPlan
 from tasks.serving import serving
 from tasks.shard_exchange import CheckpointSync, CollectedShard, Lease, ShardExchange, ShardExchangeError
@@ -92,6 +94,7 @@ def _generate_claimed_shard(
     chat: ChatTokenizer,
     sync_interval_s: float,
     engine_version: str | None,
+    memory_plan: dict[str, Any] | None = None,
 ) -> generation.ShardResult:
     shard_id = lease.shard_id
     exchange.fetch_prompts(plan, shard_id, layout)
@@ -102,7 +105,7 @@ def _generate_claimed_shard(
             shard_id, layout, dispatcher, chat, spec, flush_interval_s=min(2.0, sync_interval_s / 2)
         )
     sync.sync_once()  # the rest, now that the shard is complete; raises if S3 refuses
-    exchange.mark_done(result, engine_version)
+    exchange.mark_done(result, engine_version, memory_plan)
     return result
 
 
@@ -122,8 +125,14 @@ def generate_on_box(
     spec: RunSpec = RunSpec(),  # noqa: B008
     box: str = "",
     exchange: ExchangeSpec = ExchangeSpec(),  # noqa: B008
+    prompt_tokens: dict[str, Any] | None = None,
+    turns_per_conversation: float = 1.0,
 ) -> dict[str, Any]:
-    """Start this box's servers and generate claimed shards until every shard of the run is done."""
+    """Start this box's servers and generate claimed shards until every shard of the run is done.
+
+    `prompt_tokens`/`turns_per_conversation`: the run's prompts as the parent planned them (this box fetches only
+    the prompts files, not the render cache), for this box's memory plan on its own GPUs.
+    """
     logger = get_run_logger()
     quiet_per_shard_completions()  # no line per shard task run: the progress lines stay readable
     settings = Settings()
@@ -140,9 +149,17 @@ def generate_on_box(
 
     check_environment_task(settings, spec, store)
     # Each box plans for its own GPUs (the pilot's measured lengths live on the box that ran it: max_new_tokens here).
-    memory_plan, memory_why = memory_plan_task(settings, spec, None, None)
+    memory_plan, memory_why = memory_plan_task(
+        settings,
+        spec,
+        None,
+        None,
+        PromptTokens(**prompt_tokens) if prompt_tokens else None,
+        turns_per_conversation=turns_per_conversation,
+    )
     logger.info("box %s memory plan: %s", this_box, memory_why)
     plan_args = memory_plan.plan_args if memory_plan else []
+    box_plan = _box_plan(memory_plan, memory_why)
     layout = RunLayout.for_run(settings.work_dir, spec.namespace)
     layout.root.mkdir(parents=True, exist_ok=True)
     chat = ChatTokenizer.shared(spec.model_path)
@@ -159,7 +176,16 @@ def generate_on_box(
                     break
                 logger.info("box %s claimed shard %d (claim %d)", this_box, lease.shard_id, lease.seq)
                 future = generate_claimed_task.submit(
-                    lease, sx, plan, spec, layout, dispatcher, chat, exchange.sync_interval_s, fleet.engine_version
+                    lease,
+                    sx,
+                    plan,
+                    spec,
+                    layout,
+                    dispatcher,
+                    chat,
+                    exchange.sync_interval_s,
+                    fleet.engine_version,
+                    box_plan,
                 )
                 inflight[future] = lease.shard_id
             if not inflight:
@@ -186,6 +212,24 @@ def generate_on_box(
     }
     logger.info("box %s done: %s", this_box, report)
     return report
+
+
+def _box_plan(plan: MemoryPlan | None, why: str) -> dict[str, Any]:
+    """What a box's done markers say about its memory plan (the parent's lineage and card read it)."""
+    if plan is None:
+        return {"plan_args": [], "skipped": why}
+    lineage = plan.lineage()
+    keys = ("plan_args", "chosen", "running_requests_per_gpu", "default_running_requests_per_gpu", "context_tokens")
+    return {k: lineage[k] for k in keys} | {"summary": why}
+
+
+def plans_by_box(markers: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each box's memory plan, from the done markers of the shards it finished (the latest marker wins)."""
+    out: dict[str, dict[str, Any]] = {}
+    for marker in sorted(markers, key=lambda m: str(m.get("finished_at", ""))):
+        if isinstance(marker.get("memory_plan"), dict):
+            out[str(marker["box"])] = marker["memory_plan"]
+    return out
 
 
 # --- parent flow -------------------------------------------------------------------------------------
@@ -217,7 +261,9 @@ publish_plan_task = task(name="upload plan", cache_policy=NO_CACHE)(ShardExchang
 collect_task = task(name="collect shards", cache_policy=NO_CACHE)(_collect)
 
 
-def _launch_boxes(spec: RunSpec, boxes: MultiBoxSpec) -> dict[str, UUID]:
+def _launch_boxes(
+    spec: RunSpec, boxes: MultiBoxSpec, prompt_tokens: PromptTokens | None, turns: float
+) -> dict[str, UUID]:
     runs: dict[str, UUID] = {}
     for box in boxes.boxes:
         # timeout=0: the parent watches the shards in S3, not the child states (a dead box's run never ends).
@@ -227,6 +273,8 @@ def _launch_boxes(spec: RunSpec, boxes: MultiBoxSpec) -> dict[str, UUID]:
                 "spec": spec.model_dump(mode="json"),
                 "box": box,
                 "exchange": boxes.exchange.model_dump(mode="json"),
+                "prompt_tokens": asdict(prompt_tokens) if prompt_tokens else None,
+                "turns_per_conversation": turns,
             },
             work_queue_name=box,
             flow_run_name=f"{spec.namespace}-{box}",
@@ -321,7 +369,8 @@ def expand_dataset_multibox(
     publish_plan_task(exchange, plan, layout)
     logger.info("planned %d prompts in %d shards for boxes %s", plan.n_prompts, len(plan.shard_ids), boxes.boxes)
 
-    children = _launch_boxes(spec, boxes)
+    prompt_tokens = planning.prompt_tokens(plan, layout, spec)  # each box plans its own GPUs for these prompts
+    children = _launch_boxes(spec, boxes, prompt_tokens, planning.conversation_turns(plan, layout))
     _wait_for_shards(exchange, plan, children, boxes)
     collected = collect_task(exchange, plan, layout, spec, chat)
     shard_results = [c.result for c in collected]
@@ -332,7 +381,16 @@ def expand_dataset_multibox(
     shards_by_box = Counter(str(m["box"]) for m in markers)
     engine_versions = sorted({str(m["engine_version"]) for m in markers if m.get("engine_version")})
 
-    tokenized = finish_dataset(spec, layout, chat, plan.n_load_rejects, shard_results, run_id)
+    box_plans = plans_by_box(markers)
+    tokenized = finish_dataset(
+        spec,
+        layout,
+        chat,
+        plan.n_load_rejects,
+        shard_results,
+        run_id,
+        plan_args_by_box={box: p.get("plan_args", []) for box, p in box_plans.items()},
+    )
     # Every-turn mode: conversations and steps, counted from the collected checkpoint lines.
     turns = (
         StepTail(
@@ -343,7 +401,14 @@ def expand_dataset_multibox(
         if every_turn(spec)
         else None
     )
-    conversations = {"conversations": turns.summary()} if turns is not None else {}
+    conversations = (
+        {
+            "conversations": turns.summary()
+            | {"published": tokenized.conversations, "published_user_turns": tokenized.turns}
+        }
+        if turns is not None
+        else {}
+    )
     lineage = {
         "run_spec": spec.model_dump(mode="json"),
         "model_path": spec.model_path,
@@ -352,6 +417,7 @@ def expand_dataset_multibox(
         "engine": settings.engine,
         "engine_version": ", ".join(engine_versions) or None,
         "boxes": {"shards": dict(shards_by_box), "rows": dict(rows_by_box)},
+        "memory_plan": {"by_box": box_plans},
         "pipeline_version": datagen.__version__,
         "plan_sha256": plan.plan_sha256,
         "rows": tokenized.n_rows,

@@ -20,6 +20,7 @@ from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 from datagen import alerts, paths, report
 from datagen.catalog import published_prompt_ids, repair
 from datagen.chat import ChatTokenizer
+from datagen.engine import plan_trial
 from datagen.layout import RunLayout
 from datagen.repetition import word_tokens
 from datagen.runspec import AUTO_NAMESPACE, RunSpec
@@ -32,7 +33,7 @@ from flows.expand_dataset import (
     memory_plan_task,
     validate_task,
 )
-from tasks import generation, pilot
+from tasks import generation, pilot, planning
 from tasks.serving import serving
 
 __all__ = ["pilot_flow"]
@@ -70,14 +71,28 @@ def pilot_flow(spec: RunSpec = RunSpec(), pilot_spec: pilot.PilotSpec = pilot.Pi
     chat = ChatTokenizer.shared(spec.model_path)
 
     # Before any output is measured the plan assumes max_new_tokens/2 of output; the main run's plan below
-    # uses the pilot's measured mean.
-    pilot_plan, plan_why = memory_plan_task(settings, spec, None, None)
+    # uses the pilot's measured mean. Prompt lengths: the sample's, as planning rendered them.
+    prompt_tokens = planning.prompt_tokens(plan, layout, spec)
+    turns = planning.conversation_turns(plan, layout)
+    pilot_plan, plan_why = memory_plan_task(settings, spec, None, None, prompt_tokens, turns_per_conversation=turns)
     logger.info("memory plan: %s", plan_why)
+    trial_on, trial_note = plan_trial.wanted(
+        pilot_spec.plan_trial, settings.num_servers, pilot_plan, bool(settings.server_urls)
+    )
+    arms = plan_trial.trial_arms(pilot_plan, settings.num_servers) if trial_on and pilot_plan else []
+    logger.info("candidate plans side by side: %s", "; ".join(f"{a.name} on {a.servers}" for a in arms) or trial_note)
     results: list[generation.ShardResult] = []
     with (
-        serving(settings, spec, layout, plan_args=pilot_plan.plan_args if pilot_plan else ()) as served,
+        serving(
+            settings,
+            spec,
+            layout,
+            plan_args=pilot_plan.plan_args if pilot_plan else (),
+            server_plan_args=plan_trial.server_plan_args(arms, settings.num_servers) if arms else None,
+        ) as served,
         pilot.ThroughputProbe(served.dispatcher, served.fleet.endpoints) as probe,
     ):
+        server_names = [e.name for e in served.fleet.endpoints]
         futures = [
             generate_shard_task.with_options(result_storage=layout.root / "task-results").submit(
                 shard_id, plan.plan_sha256, chat.fingerprint, spec, layout, served.dispatcher, chat
@@ -97,8 +112,24 @@ def pilot_flow(spec: RunSpec = RunSpec(), pilot_spec: pilot.PilotSpec = pilot.Pi
     )
     servers = pilot_spec.project_servers or settings.num_servers
     projection = project_task(layout, plan, population, summary, throughput, servers, pilot_spec)
-    main_plan, main_why = memory_plan_task(settings, spec, None, float(projection.output_tokens["mean"]))
+    trial = (
+        plan_trial.judge(arms, server_names, probe.server_readings, [(s.t, s.queued) for s in probe.samples])
+        if arms
+        else None
+    )
+    main_plan, main_why = memory_plan_task(
+        settings,
+        spec,
+        None,
+        float(projection.output_tokens["mean"]),
+        prompt_tokens,
+        turns_per_conversation=turns,
+        prefer=trial["kept"] if trial else None,
+        prefer_why=trial["why"] if trial else "",
+    )
     projection.engine = pilot.engine_section(pilot_plan, main_plan, main_why)
+    if main_plan is not None:  # without a plan there was nothing to try (the section says why)
+        projection.engine.update({"trial": trial} if trial else {"trial_skipped": trial_note})
     path = pilot.write_projection(layout, projection)
     create_markdown_artifact(
         markdown=pilot.render_projection(projection), key="pilot-projection", description="Pilot projection"

@@ -20,6 +20,8 @@ from datagen.engine.memory_plan import (
     GpuMemory,
     MemoryPlan,
     ModelShape,
+    PromptTokens,
+    Turns,
     card_bandwidth,
     expected_context,
     is_hybrid_gdn,
@@ -115,9 +117,23 @@ def _planned_gpu(settings: Settings, probe: dict[str, Any] | None, model_dir: Pa
 
 
 def memory_plan_for(
-    settings: Settings, spec: RunSpec, probe: dict[str, Any] | None = None, mean_output_tokens: float | None = None
+    settings: Settings,
+    spec: RunSpec,
+    probe: dict[str, Any] | None = None,
+    mean_output_tokens: float | None = None,
+    prompt_tokens: PromptTokens | None = None,
+    *,
+    turns_per_conversation: float = 1.0,
+    prefer: str | None = None,
+    prefer_why: str = "",
 ) -> tuple[MemoryPlan | None, str]:
-    """This run's memory plan (None with the reason when there is nothing to plan); probes the GPUs if needed."""
+    """This run's memory plan (None with the reason when there is nothing to plan); probes the GPUs if needed.
+
+    `prompt_tokens`: the run's prompt lengths as planning rendered them (`tasks.planning.prompt_tokens`); without
+    them (`datagen check`, before planning) PROMPT_TOKENS_ESTIMATE is assumed and the plan says so.
+    `turns_per_conversation`: expected turns of a run that generates every turn. `prefer`/`prefer_why`: the
+    candidate a pilot's side-by-side trial kept (`datagen.engine.plan_trial`).
+    """
     model_dir = Path(spec.model_path)
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     if not is_hybrid_gdn(config):
@@ -130,9 +146,31 @@ def memory_plan_for(
     gpu = _planned_gpu(settings, probe, model_dir)
     if isinstance(gpu, str):
         return None, gpu
-    context, source = expected_context(PROMPT_TOKENS_ESTIMATE, mean_output_tokens, spec.sampling.max_new_tokens)
+    if prompt_tokens is None:
+        prompt_tokens = PromptTokens(
+            0,
+            PROMPT_TOKENS_ESTIMATE,
+            PROMPT_TOKENS_ESTIMATE,
+            PROMPT_TOKENS_ESTIMATE,
+            "assumed: the prompts are not rendered yet",
+        )
+    max_new = spec.sampling.max_new_tokens
+    context, output_source = expected_context(prompt_tokens.mean, mean_output_tokens, max_new)
+    output = mean_output_tokens if mean_output_tokens is not None else max_new / 2
+    # TODO(lead): RunSpec.turns arrives with the multi-turn branch; after the merge read spec.turns directly.
+    turns: Turns = "every" if getattr(spec, "turns", "last") == "every" else "last"
     plan = plan_memory(
-        ModelShape.from_config(config), gpu, context, context_source=source, server_args=spec.server_args
+        ModelShape.from_config(config),
+        gpu,
+        context,
+        context_source=f"{prompt_tokens.describe()}; {output_source}",
+        server_args=spec.server_args,
+        turns=turns,
+        turns_per_conversation=turns_per_conversation,
+        output_tokens=output,
+        longest_request_tokens=prompt_tokens.max + max_new if prompt_tokens.n else None,
+        prefer=prefer,
+        prefer_why=prefer_why,
     )
     return plan, plan.summary()
 

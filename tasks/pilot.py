@@ -31,8 +31,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from datagen.chat import ChatTokenizer
 from datagen.checkpoint import CheckpointLine, append_lines, read_lines, settled_keys
 from datagen.endpoints import ServerEndpoint
+from datagen.engine import plan_trial
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.memory_plan import MemoryPlan
+from datagen.engine.plan_trial import TrialChoice
 from datagen.identity import PromptIdentity, RequestKeys
 from datagen.layout import RunLayout
 from datagen.prompts import iter_prompts
@@ -95,6 +97,11 @@ class PilotSpec(BaseModel):
         None, ge=1, description="Servers to project the full run for; default: DATAGEN_NUM_SERVERS."
     )
     shards: int = Field(8, ge=1, description="Shards the sample is cut into (>= shards in flight keeps servers full).")
+    plan_trial: TrialChoice = Field(
+        "auto",
+        description="Run candidate memory plans side by side on different servers and keep the fastest for the main "
+        "run (datagen.engine.plan_trial). auto: on with two or more launched servers and a memory plan.",
+    )
 
 
 class PilotPopulation(BaseModel):
@@ -715,6 +722,7 @@ def _engine_rows(engine: dict[str, Any]) -> list[str]:
         f"{plan['default_running_requests_per_gpu']}) |",
         f"| expected output tok/s per GPU (memory-bandwidth roofline at that batch) | "
         f"{f'{roofline:,.0f}' if roofline else 'unknown card bandwidth'} |",
+        *plan_trial.report_rows(engine),
     ]
 
 

@@ -9,6 +9,7 @@ its presence means the shard files it lists are complete.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -19,18 +20,30 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field
 
+from datagen.engine.memory_plan import PromptTokens
 from datagen.identity import PromptIdentity
 from datagen.layout import RunLayout
-from datagen.preparation import rendered_path, write_rendered
+from datagen.preparation import read_rendered, rendered_path, write_rendered
 from datagen.prompts import iter_prompts
 from datagen.quality import GateReport, check_load_gate
 from datagen.records import Prompt, Reject
 from datagen.runspec import QualityGate, RunSpec
 from datagen.storage import sha256_file
 
-__all__ = ["ShardEntry", "ShardPlan", "check_plan", "plan_manifest_path", "plan_shards", "read_plan"]
+__all__ = [
+    "ShardEntry",
+    "ShardPlan",
+    "check_plan",
+    "conversation_turns",
+    "plan_manifest_path",
+    "plan_shards",
+    "prompt_tokens",
+    "read_plan",
+]
 
 log = logging.getLogger(__name__)
 
@@ -286,3 +299,40 @@ def _remove_stale_shards(layout: RunLayout, n_shards: int, before_change: Callab
             before_change()
             path.unlink()
             rendered_path(path).unlink(missing_ok=True)
+
+
+def prompt_tokens(plan: ShardPlan, layout: RunLayout, spec: RunSpec) -> PromptTokens | None:
+    """The planned prompts' lengths in tokens, from the render cache planning wrote beside each shard.
+
+    For the memory plan (expected context, longest request). Shards without a cache made for this render (none
+    is written when a row has no ids) are left out and the source says how many were measured; None when no
+    shard has one.
+    """
+    render_key = PromptIdentity.for_spec(spec).preparer.render_key
+    chunks: list[pa.Array] = []
+    for entry in plan.shards:
+        rendered = read_rendered(layout.shard_prompts(entry.shard_id), render_key)
+        if rendered is not None:
+            chunks.append(rendered.lengths())
+    lengths = pa.chunked_array(chunks, pa.int32())
+    if len(lengths) == 0:
+        return None
+    where = f"measured at planning from the rendered prompts of {len(chunks)} of {len(plan.shards)} shards"
+    # Arrow computes over the offsets: no Python int per prompt at 1M prompts.
+    p99 = pc.quantile(lengths, q=PromptTokens.PERCENTILE, interpolation="higher")[0].as_py()
+    return PromptTokens(len(lengths), pc.mean(lengths).as_py(), int(p99), pc.max(lengths).as_py(), where)
+
+
+def conversation_turns(plan: ShardPlan, layout: RunLayout, sample: int = 20_000) -> float:
+    """Mean turns a conversation would generate if every turn were regenerated: 1 + its assistant turns.
+
+    Read from the first prompts of every shard, up to `sample` in all (a mean needs no full pass over 1M rows).
+    """
+    per_shard = max(1, sample // max(1, len(plan.shards)))
+    counts: list[int] = []
+    for entry in plan.shards:
+        with open(layout.shard_prompts(entry.shard_id), encoding="utf-8") as f:
+            for line in itertools.islice((ln for ln in f if ln.strip()), per_shard):
+                prompt = Prompt.from_json(line)
+                counts.append(1 + sum(1 for m in prompt.messages if m.role == "assistant"))
+    return sum(counts) / len(counts) if counts else 1.0

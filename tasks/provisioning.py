@@ -43,13 +43,19 @@ def new_api_key() -> SecretStr:
 
 
 def provision(
-    settings: Settings, spec: RunSpec, layout: RunLayout, api_key: SecretStr, plan_args: Sequence[str] = ()
+    settings: Settings,
+    spec: RunSpec,
+    layout: RunLayout,
+    api_key: SecretStr,
+    plan_args: Sequence[str] = (),
+    server_plan_args: Sequence[Sequence[str]] | None = None,
 ) -> ServerFleet:
     """A fleet to use as a context manager: servers start (or are health-checked) on entry, stop on exit.
 
     `plan_args`: the memory plan's flags (`tasks.environment.memory_plan_for`), added before the spec's own.
+    `server_plan_args`: one flag list per server instead (a pilot's side-by-side trial of candidate plans).
     """
-    return ServerFleet(settings, spec, layout, api_key, plan_args=plan_args)
+    return ServerFleet(settings, spec, layout, api_key, plan_args=plan_args, server_plan_args=server_plan_args)
 
 
 def stop_leftover_servers(settings: Settings) -> list[str]:

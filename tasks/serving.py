@@ -42,15 +42,18 @@ def serving(
     layout: RunLayout,
     *,
     plan_args: Sequence[str] = (),
+    server_plan_args: Sequence[Sequence[str]] | None = None,
     start: Callable[[ServerFleet], object] = ServerFleet.start,
 ) -> Iterator[Serving]:
     """Servers up (started or attached), a dispatcher over them with `on_server_down=fleet.restart`, then stopped.
 
     `plan_args`: the memory plan's flags, before the spec's own `server_args` on every launched server (attach
-    mode launches nothing). `start` starts the fleet; a flow passes its named task there, so a server that fails
-    to start shows as a red task with its log lines.
+    mode launches nothing); `server_plan_args`, one list per server, instead (`datagen.engine.plan_trial`).
+    `start` starts the fleet; a flow passes its named task there, so a server that fails to start shows as a red
+    task with its log lines.
     """
-    fleet = provisioning.provision(settings, spec, layout, provisioning.api_key_for(settings), plan_args)
+    key = provisioning.api_key_for(settings)
+    fleet = provisioning.provision(settings, spec, layout, key, plan_args, server_plan_args)
     try:
         start(fleet)
         with Dispatcher(

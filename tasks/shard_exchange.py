@@ -334,8 +334,13 @@ class ShardExchange:
         self.store.put_if_absent(key, ("\n".join(lines) + "\n").encode("utf-8"))
         return key
 
-    def mark_done(self, result: ShardResult, engine_version: str | None) -> bool:
-        """Write the shard's done marker once S3 holds all its requests; False when another box was first."""
+    def mark_done(
+        self, result: ShardResult, engine_version: str | None, memory_plan: dict[str, object] | None = None
+    ) -> bool:
+        """Write the shard's done marker once S3 holds all its requests; False when another box was first.
+
+        `memory_plan`: this box's plan (flags, running requests, from its own GPU probe), for the run's lineage.
+        """
         remote = self.read_rows(result.shard_id)
         if len(remote.keys) != result.n_prompts:
             raise IncompleteShard(
@@ -350,6 +355,7 @@ class ShardExchange:
             "n_completed": len(remote.completions),
             "n_rejected": len(remote.rejects),
             "engine_version": engine_version,
+            "memory_plan": memory_plan,
             "finished_at": self.clock(),
         }
         try:

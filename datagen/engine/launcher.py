@@ -553,6 +553,7 @@ class ServerFleet(Sequence[ServerEndpoint]):
         stop_grace_s: float = STOP_GRACE_S,
         attach_timeout_s: float = ATTACH_HEALTH_TIMEOUT_S,
         plan_args: Sequence[str] = (),
+        server_plan_args: Sequence[Sequence[str]] | None = None,
     ) -> None:
         # Base port 0: the fleet picks free ports itself, and picks again at start() if one was taken since.
         self._auto_ports = settings.base_port == 0 and not settings.server_urls
@@ -565,6 +566,10 @@ class ServerFleet(Sequence[ServerEndpoint]):
         self.stop_grace_s = stop_grace_s
         self.attach_timeout_s = attach_timeout_s
         self.plan_args = list(plan_args)
+        # One flag list per server (a pilot's side-by-side trial of candidate plans), else plan_args for all.
+        if server_plan_args is not None and len(server_plan_args) != settings.num_servers:
+            raise ValueError(f"server_plan_args: {len(server_plan_args)} lists for {settings.num_servers} servers")
+        self.server_plan_args = [list(a) for a in server_plan_args] if server_plan_args is not None else None
         self.attached = bool(settings.server_urls)
         self.engine_version: str | None = None
         self._servers: list[_Server] = []
@@ -597,12 +602,15 @@ class ServerFleet(Sequence[ServerEndpoint]):
                 name=f"gpu{i}",
                 url=_url(settings.server_host, settings.base_port + i),
                 index=i,
-                argv=server_command(settings, self.spec, i, self._key_config, nccl_ports[i], self.plan_args),
+                argv=server_command(settings, self.spec, i, self._key_config, nccl_ports[i], self._plan_args_of(i)),
                 env=server_env(i),
                 log_path=self.layout.logs_dir / f"server-{i}.log",
             )
             for i in range(settings.num_servers)
         ]
+
+    def _plan_args_of(self, index: int) -> list[str]:
+        return self.server_plan_args[index] if self.server_plan_args is not None else self.plan_args
 
     # Sequence[ServerEndpoint] ---------------------------------------------------------------------
 

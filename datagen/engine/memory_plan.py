@@ -26,7 +26,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, ClassVar, Literal, NoReturn
 
 __all__ = [
     "CUDA_CONTEXT_BYTES",
@@ -38,14 +38,18 @@ __all__ = [
     "MemoryPlan",
     "ModelShape",
     "PrefixReuse",
+    "PromptTokens",
     "Sizing",
+    "Turns",
     "card_bandwidth",
+    "card_prefill_flops",
     "choose_prefix_reuse",
     "decode_roofline",
     "expected_context",
     "is_hybrid_gdn",
     "numerics_flags",
     "plan_memory",
+    "prefix_reuse_for_turns",
     "sglang_mem_fraction_static",
     "sglang_sizing",
     "weights_bytes",
@@ -213,6 +217,18 @@ _BANDWIDTH = {"RTX PRO 6000": 1.792e12, "H200": 4.8e12, "H100": 3.35e12, "B200":
 def card_bandwidth(name: str) -> float | None:
     """Datasheet memory bandwidth (bytes/s) of a card by its reported name; None when not in the table."""
     return next((bw for key, bw in _BANDWIDTH.items() if key in name), None)
+
+
+# Dense BF16 tensor throughput (FLOP/s, datasheets: RTX PRO 6000 Blackwell 4,000 sparse FP4 TOPS = ~500 dense BF16
+# TFLOPS), keyed by the same bandwidth figure `GpuMemory` carries, for the multi-turn prefill estimate.
+_PREFILL_FLOPS = {1.792e12: 500e12, 4.8e12: 989e12, 3.35e12: 989e12, 8.0e12: 2250e12}
+# Share of peak a long prefill reaches (an estimate; the trade it feeds is decided by a factor of several).
+PREFILL_MFU = 0.5
+
+
+def card_prefill_flops(bandwidth_bytes_per_s: float | None) -> float | None:
+    """Dense BF16 FLOP/s of the card whose datasheet bandwidth is given; None when the card is not in the table."""
+    return _PREFILL_FLOPS.get(bandwidth_bytes_per_s) if bandwidth_bytes_per_s is not None else None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -432,6 +448,73 @@ class PrefixReuse:
     decode_steps_per_s: float  # decode steps per second at the planned batch (roofline or measured)
 
 
+Turns = Literal["every", "last"]
+
+
+@dataclass(frozen=True)
+class PromptTokens:
+    """The run's prompt lengths in tokens as planning rendered them (the render cache), or an assumption."""
+
+    n: int  # prompts measured (0: assumed, nothing rendered yet)
+    mean: float
+    p99: int
+    max: int
+    source: str
+
+    PERCENTILE: ClassVar[float] = 0.99
+
+    @classmethod
+    def measured(cls, lengths: Sequence[int], source: str) -> PromptTokens:
+        """Mean, 99th percentile (the next value up, as Arrow's quantile "higher") and longest of `lengths`."""
+        if not lengths:
+            raise ValueError("no prompt lengths to measure")
+        ordered = sorted(lengths)
+        p99 = ordered[math.ceil(cls.PERCENTILE * (len(ordered) - 1))]
+        return cls(len(ordered), sum(ordered) / len(ordered), p99, ordered[-1], source)
+
+    def describe(self) -> str:
+        """How many prompts, mean / p99 / max tokens, and where the figures came from."""
+        if self.n == 0:
+            return f"prompt {self.mean:,.0f} tokens ({self.source})"
+        return (
+            f"prompt mean {self.mean:,.0f} / p99 {self.p99:,} / max {self.max:,} tokens over {self.n:,} prompts "
+            f"({self.source})"
+        )
+
+
+def prefix_reuse_for_turns(
+    model: ModelShape,
+    gpu: GpuMemory,
+    context_tokens: int,
+    turns_per_conversation: float,
+    output_tokens: float,
+    batch: int,
+) -> PrefixReuse | str:
+    """The multi-turn trade's inputs for a run that generates every turn, or why they cannot be estimated.
+
+    Turn k of a T-turn conversation holds about k x n tokens (n new tokens per turn), so the mean context C is
+    n (T+1)/2 and a turn re-prefills (k-1) n of history without the radix cache: C (T-1)/(T+1) per request on
+    average (the first turn has none). Prefill runs at PREFILL_MFU of the card's dense BF16 peak over
+    2 FLOPs per parameter per token (parameters = BF16 weight bytes / 2); a decode step takes the roofline's
+    time at `batch`, the count the radix cache off would run (`decode_roofline`).
+    """
+    flops = card_prefill_flops(gpu.bandwidth_bytes_per_s)
+    if flops is None or gpu.bandwidth_bytes_per_s is None:
+        return "the card's bandwidth and compute are not in the table: no estimate of the multi-turn trade"
+    t = max(1.0, turns_per_conversation)
+    history = round(context_tokens * (t - 1) / (t + 1))
+    prefill = PREFILL_MFU * flops / (2 * gpu.weights_bytes / 2)
+    batch = max(1, batch)
+    per_request = 2 * model.state_bytes_per_slot + model.kv_bytes_per_token * context_tokens
+    steps = gpu.bandwidth_bytes_per_s / (gpu.weights_bytes + batch * per_request)
+    return PrefixReuse(
+        history_tokens=history,
+        output_tokens=max(1, round(output_tokens)),
+        prefill_tokens_per_s=prefill,
+        decode_steps_per_s=steps,
+    )
+
+
 def choose_prefix_reuse(reuse: PrefixReuse, with_radix: int, without_radix: int) -> tuple[bool, str]:
     """Keep the radix cache for a multi-turn run? Weighs re-prefilling each history against fewer running requests.
 
@@ -509,6 +592,12 @@ class MemoryPlan:
     launched: Sizing | None = None  # SGLang's sizing for what is actually launched
     reasons: list[str] = field(default_factory=list)
     roofline_tokens_per_s: float | None = None
+    candidate_args: dict[str, list[str]] = field(default_factory=dict)  # each candidate's flags as launched
+    kept_by_trial: str | None = None  # why, when a pilot's side-by-side trial chose the candidate
+
+    def args_for(self, candidate: Candidate) -> list[str]:
+        """The flags the launcher would add to run `candidate` (the spec's explicit flags left out)."""
+        return list(self.candidate_args.get(candidate.name, candidate.flags.to_args()))
 
     def candidate(self, name: str) -> Candidate:
         """The candidate called `name`."""
@@ -553,6 +642,7 @@ class MemoryPlan:
             "sizing": asdict(launched),
             "candidates": {c.name: {"args": c.flags.to_args(), "running": c.concurrency} for c in self.candidates},
             "reasons": self.reasons,
+            "kept_by_trial": self.kept_by_trial,
         }
 
 
@@ -579,14 +669,28 @@ def plan_memory(
     context_source: str,
     server_args: Sequence[str] = (),
     prefix_reuse: PrefixReuse | None = None,
+    turns: Turns = "last",
+    turns_per_conversation: float = 1.0,
+    output_tokens: float | None = None,
+    longest_request_tokens: int | None = None,
+    prefer: str | None = None,
+    prefer_why: str = "",
 ) -> MemoryPlan:
     """Choose the launch flags that run the most requests of `context_tokens` at once on one GPU.
 
     Candidates: SGLang's defaults; the radix cache off with the default 0.9 split; the radix cache off with the
     state pool sized to exactly the requests that also fit in the KV pool (`--max-running-requests` with
-    `--disable-radix-cache` makes SGLang size the state pool to it and give the rest to KV); and, for a run
-    whose turns extend a prefix, the radix cache on with the pools balanced the same way. Explicit server_args
-    win: they are kept in every candidate and the plan never repeats them.
+    `--disable-radix-cache` makes SGLang size the state pool to it and give the rest to KV); and the radix cache
+    on with the pools balanced the same way. Explicit server_args win: they are kept in every candidate and the
+    plan never repeats them.
+
+    `turns`: "last" (each request is one turn, no prefix is shared: radix cache off) or "every" (turn k+1
+    extends turn k: with `turns_per_conversation` > 1 the plan weighs the radix cache's prefix reuse against
+    its extra state slots, `prefix_reuse_for_turns`; `prefix_reuse` gives the trade's inputs directly).
+    `output_tokens`: mean output per request (default: half the context). `longest_request_tokens`: the longest
+    prompt plus max_new_tokens; a candidate whose KV pool cannot hold it alone is never chosen.
+    `prefer`: a candidate the pilot's side-by-side trial kept (`datagen.engine.plan_trial`); it wins, and
+    `prefer_why` is recorded.
     """
     if context_tokens <= 0:
         raise ValueError(f"context_tokens must be positive, got {context_tokens}")
@@ -623,37 +727,77 @@ def plan_memory(
     candidates.append(candidate("no-radix", replace(free, disable_radix_cache=True), "radix cache off, 0.9:1 split"))
     flags, _ = _best_balanced(model, gpu, free, context_tokens, radix=False)
     candidates.append(candidate("no-radix-balanced", flags, "radix cache off, state pool = running requests"))
+    radix_flags, _ = _best_balanced(model, gpu, free, context_tokens, radix=True)
+    candidates.append(candidate("radix-balanced", radix_flags, "radix cache on, pools balanced"))
     reasons = [
         f"state slot {model.state_bytes_per_slot / _MIB:.1f} MiB ({model.linear_layers} GDN layers), "
         f"KV {model.kv_bytes_per_token / 1024:.0f} KiB/token ({model.full_attention_layers} attention layers), "
         f"weights {gpu.weights_bytes / _GIB:.1f} GiB of {gpu.total_bytes / _GIB:.1f} GiB"
     ]
-    if prefix_reuse is not None:
-        radix_flags, _ = _best_balanced(model, gpu, free, context_tokens, radix=True)
-        candidates.append(candidate("radix-balanced", radix_flags, "radix cache on, pools balanced"))
-    best_no_radix = max((c for c in candidates if c.flags.disable_radix_cache), key=lambda c: c.concurrency)
-    if prefix_reuse is None:
+    eligible = candidates
+    if longest_request_tokens is not None:
+        eligible = [c for c in candidates if c.sizing.max_total_num_tokens >= longest_request_tokens]
+        left_out = [c.name for c in candidates if c not in eligible]
+        if not eligible:  # nothing holds the longest request alone: the largest KV pool rejects the fewest
+            eligible = [max(candidates, key=lambda c: c.sizing.max_total_num_tokens)]
+            reasons.append(
+                f"no candidate's KV pool holds the longest request ({longest_request_tokens:,} tokens: longest "
+                f"prompt + max_new_tokens); '{eligible[0].name}' has the largest "
+                f"({eligible[0].sizing.max_total_num_tokens:,})"
+            )
+        elif left_out:
+            reasons.append(
+                f"{', '.join(left_out)}: KV pool too small for the longest request ({longest_request_tokens:,} "
+                "tokens: longest prompt + max_new_tokens), not chosen"
+            )
+    radix_off = [c for c in eligible if c.flags.disable_radix_cache]
+    radix_on = [c for c in eligible if not c.flags.disable_radix_cache]
+    best_no_radix = max(radix_off or eligible, key=lambda c: c.concurrency)
+    if prefix_reuse is None and turns == "every" and turns_per_conversation > 1:
+        estimate = prefix_reuse_for_turns(
+            model,
+            gpu,
+            context_tokens,
+            turns_per_conversation,
+            output_tokens if output_tokens is not None else context_tokens / 2,
+            best_no_radix.concurrency,
+        )
+        if isinstance(estimate, str):
+            reasons.append(f"turns extend a prefix, but {estimate}: radix cache off")
+        else:
+            prefix_reuse = estimate
+    if prefix_reuse is None or not radix_on:
         chosen = best_no_radix
-        reasons.append("single-turn run: no prompt shares a prefix with another, so the radix cache only costs slots")
+        if turns == "last" or turns_per_conversation <= 1:
+            why = "turns: last" if turns == "last" else "one turn per conversation"
+            reasons.append(
+                f"single-turn requests ({why}): no prompt shares a prefix, so the radix cache only costs slots"
+            )
     else:
-        best_radix = max((c for c in candidates if not c.flags.disable_radix_cache), key=lambda c: c.concurrency)
+        best_radix = max(radix_on, key=lambda c: c.concurrency)
         keep, why = choose_prefix_reuse(prefix_reuse, best_radix.concurrency, best_no_radix.concurrency)
         chosen = best_radix if keep else best_no_radix
-        reasons.append(f"turns extend a prefix; {'keep' if keep else 'drop'} the radix cache: {why}")
-    chosen_flags = chosen.flags
-    _, graph_default = _graph_defaults(gpu.total_bytes / _MIB)
-    cap = chosen.sizing.max_running_requests
-    if chosen_flags.cuda_graph_max_bs_decode is None and cap > graph_default:
-        # Decode batches above the captured size run eagerly; SGLang only ever lowers the default to the cap.
-        chosen_flags = replace(chosen_flags, cuda_graph_max_bs_decode=cap)
+        reasons.append(
+            f"turns extend a prefix ({turns_per_conversation:g} turns per conversation; "
+            if turns_per_conversation > 1
+            else "turns extend a prefix ("
+        )
+        reasons[-1] += (
+            f"{best_radix.sizing.slots_per_request} state slots per request with the radix cache, 1 without); "
+            f"{'keep' if keep else 'drop'} the radix cache: {why}"
+        )
+    if prefer is not None:
+        kept = next((c for c in candidates if c.name == prefer), None)
+        if kept is None:
+            raise ValueError(f"the pilot's trial kept {prefer!r}, not a candidate of this plan")
+        chosen = kept
+        reasons.append(f"kept by the pilot's side-by-side trial: {prefer_why or prefer}")
+    chosen_flags, plan_args, overridden = _launch_args(chosen, gpu, server_args)
     reasons.append(
         f"'{chosen.name}' runs {chosen.concurrency} requests of {context_tokens:,} tokens at once "
         f"(defaults: {candidates[0].concurrency}); CUDA graphs cover decode batches up to "
         f"{decode_graph_max_bs(chosen_flags, gpu.total_bytes)}"
     )
-    planned = chosen_flags.to_args()
-    overridden = sorted({a for a in planned if a.startswith("--") and _given(server_args, a)})
-    plan_args = _without(planned, overridden)
     launched_flags = EngineFlags.from_args([*plan_args, *server_args])
     plan = MemoryPlan(
         context_tokens=context_tokens,
@@ -665,11 +809,28 @@ def plan_memory(
         numerics=numerics_flags(server_args),
         launched=sglang_sizing(model, gpu, launched_flags),
         reasons=reasons,
+        candidate_args={c.name: _launch_args(c, gpu, server_args)[1] for c in candidates},
+        kept_by_trial=(prefer_why or prefer) if prefer is not None else None,
     )
     plan.roofline_tokens_per_s = decode_roofline(
         model, gpu, plan.launched.concurrency(context_tokens) if plan.launched else 0, context_tokens
     )
     return plan
+
+
+def _launch_args(
+    cand: Candidate, gpu: GpuMemory, server_args: Sequence[str]
+) -> tuple[EngineFlags, list[str], list[str]]:
+    """A candidate's flags as launched: decode CUDA graphs up to its cap; flags the spec sets itself left out."""
+    flags = cand.flags
+    _, graph_default = _graph_defaults(gpu.total_bytes / _MIB)
+    cap = cand.sizing.max_running_requests
+    if flags.cuda_graph_max_bs_decode is None and cap > graph_default:
+        # Decode batches above the captured size run eagerly; SGLang only ever lowers the default to the cap.
+        flags = replace(flags, cuda_graph_max_bs_decode=cap)
+    planned = flags.to_args()
+    overridden = sorted({a for a in planned if a.startswith("--") and _given(server_args, a)})
+    return flags, _without(planned, overridden), overridden
 
 
 def _without(args: list[str], flags: Sequence[str]) -> list[str]:

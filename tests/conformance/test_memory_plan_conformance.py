@@ -32,6 +32,8 @@ QWEN36_27B_WEIGHTS_BYTES = 54_714_000_000
 CONFIG_27B = REPO_ROOT / "tests" / "fixtures" / "qwen3.6-27b-config.json"
 DOC = REPO_ROOT / "docs" / "real-engine.md"
 CONTEXTS = (2048, 4096, 8192)
+# (mean context, turns per conversation, output tokens per turn) of multi-turn runs that generate every turn.
+MULTI_TURN = ((4096, 2, 1500), (8192, 4, 3000), (16384, 8, 300), (32768, 8, 200))
 
 _SIZING = r"""
 import types
@@ -125,6 +127,19 @@ def _plans(model_dir: Path) -> list[tuple[str, MemoryPlan]]:
     # A multi-turn run whose turns extend a prefix: the radix-on balanced candidate is judged too.
     reuse = PrefixReuse(history_tokens=3000, output_tokens=1000, prefill_tokens_per_s=8000, decode_steps_per_s=20)
     plans.append(("4096 multi-turn", plan_memory(model, _gpu(), 4096, context_source="test", prefix_reuse=reuse)))
+    # turns: every, the trade estimated from the card (prefix_reuse_for_turns): short histories drop the radix
+    # cache, long ones keep it (the caps both sides are judged below by the real code).
+    for context, turns, output in MULTI_TURN:
+        plan = plan_memory(
+            model,
+            _gpu(),
+            context,
+            context_source="test",
+            turns="every",
+            turns_per_conversation=turns,
+            output_tokens=output,
+        )
+        plans.append((f"{context} every x{turns}", plan))
     return plans
 
 
@@ -183,10 +198,56 @@ def test_docs_caps_table_is_what_sglang_s_code_gives(judged: dict[str, Any]) -> 
     table = _doc_table()
     assert sorted(table) == list(CONTEXTS), f"{DOC} lost its caps table rows: {table}"
     for label, plan in plans:
-        if "multi-turn" in label:
+        if "multi-turn" in label or " every x" in label:
             continue
         assert table[plan.context_tokens] == (
             plan.default.concurrency,
             plan.planned.concurrency,
             " ".join(plan.plan_args),
         )
+
+
+def test_multi_turn_choice_weighs_the_real_state_slots_per_request(judged: dict[str, Any]) -> None:
+    """turns: every: the radix cache costs the real `_calculate_mamba_ratio` (3 + 2 slots per request) and is kept
+    only where re-prefilling the history costs more than the requests it displaces; the reason gives both sides."""
+    plans, real, _ = judged["qwen3.6-27b"]
+    real_iter = iter(real)
+    by_label: dict[str, dict[str, dict[str, Any]]] = {}
+    for label, plan in plans:
+        by_label[label] = {c.name: next(real_iter) for c in plan.candidates}
+    chosen = {}
+    for label, plan in plans:
+        if " every x" not in label:
+            continue
+        real_caps = by_label[label]
+        assert real_caps["radix-balanced"]["slots_per_request"] == 5, "radix cache on: 3 + 2 tracking slots"
+        assert real_caps["no-radix-balanced"]["slots_per_request"] == 1
+        radix_running = min(
+            real_caps["radix-balanced"]["max_running_requests"],
+            real_caps["radix-balanced"]["max_total_num_tokens"] // plan.context_tokens,
+        )
+        no_radix_running = min(
+            real_caps["no-radix-balanced"]["max_running_requests"],
+            real_caps["no-radix-balanced"]["max_total_num_tokens"] // plan.context_tokens,
+        )
+        assert radix_running < no_radix_running  # the radix cache always runs fewer at once
+        why = next(r for r in plan.reasons if r.startswith("turns extend a prefix"))
+        assert f"({radix_running} running)" in why and f"({no_radix_running} running," in why
+        chosen[label] = plan.chosen
+    # docs/real-engine.md's multi-turn table holds these caps and choices.
+    rows = re.findall(
+        r"^\| (\d+)K \| (\d+) \| ([\d,]+) \| (\d+) \| (\d+) \| (on|off):", DOC.read_text(encoding="utf-8"), re.M
+    )
+    documented = {f"{int(k) * 1024} every x{t}": (int(on), int(off), c) for k, t, _, on, off, c in rows}
+    for label, plan in plans:
+        if label in chosen:
+            radix = plan.candidate("radix-balanced").concurrency
+            off = plan.candidate("no-radix-balanced").concurrency
+            assert documented[label] == (radix, off, "on" if plan.chosen == "radix-balanced" else "off"), label
+    assert len(documented) == len(MULTI_TURN), f"{DOC} lost its multi-turn rows: {documented}"
+    assert chosen == {
+        "4096 every x2": "no-radix-balanced",
+        "8192 every x4": "no-radix-balanced",
+        "16384 every x8": "radix-balanced",
+        "32768 every x8": "radix-balanced",
+    }

@@ -122,6 +122,9 @@ def test_flow_publishes_token_exact_dataset_and_never_overwrites(
     memory = manifest["lineage"]["memory_plan"]
     assert "--disable-radix-cache" in memory["plan_args"] and memory["numerics_flags"] == []
     assert memory["running_requests_per_gpu"] > memory["default_running_requests_per_gpu"]
+    # Sized for the prompts as planning rendered them, not an assumed 512 tokens.
+    assert "measured at planning from the rendered prompts" in memory["context_source"]
+    assert memory["context_tokens"] < 512 + 512  # short test prompts + max_new_tokens/2
     card = store.get_bytes("e2e_v1/README.md").decode()
     assert f"memory plan flags (no effect on outputs): {' '.join(memory['plan_args'])}" in card
     listed = [o["key"] for o in manifest["objects"]]

@@ -7,6 +7,7 @@ That the sizing is SGLang 0.5.23's own is tested in tests/conformance/test_memor
 from __future__ import annotations
 
 import json
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +21,7 @@ from datagen.engine.memory_plan import (
     GpuMemory,
     ModelShape,
     PrefixReuse,
+    PromptTokens,
     choose_prefix_reuse,
     decode_roofline,
     expected_context,
@@ -236,3 +238,85 @@ def test_speculative_or_malformed_server_args_never_crash_the_check(
     bad = RunSpec(model_path=str(ensure_model_dir()), server_args=["--max-running-requests", "many"])
     row = {r.name: r for r in environment.run_checks(settings, bad)}[environment.MEMORY_PLAN_CHECK]
     assert row.status == "fail" and "--max-running-requests: invalid int value: 'many'" in row.detail
+
+
+def test_planning_measures_prompt_tokens_from_its_render_and_the_plan_sizes_for_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan's context is the rendered prompts' mean (not an assumed 512) + the output; the longest prompt
+    + max_new_tokens must fit a candidate's KV pool alone."""
+    from datagen.chat import ChatTokenizer
+    from datagen.layout import RunLayout
+    from datagen.runspec import PromptSource
+    from tasks import planning
+
+    path = tmp_path / "prompts.jsonl"
+    texts = [f"Summarize text {i}. {'word ' * (40 * (i % 5 + 1))}" for i in range(30)]
+    path.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": t}]}) for t in texts) + "\n")
+    spec = RunSpec(
+        sources=[PromptSource(path=str(path))],
+        model_path=str(ensure_model_dir()),
+        shard_size=7,
+        sampling={"max_new_tokens": 2048},
+    )
+    layout = RunLayout.for_run(tmp_path / "work", "measure")
+    plan = planning.plan_shards(spec, layout)
+    measured = planning.prompt_tokens(plan, layout, spec)
+    chat = ChatTokenizer.shared(spec.model_path)
+    expected = sorted(
+        len(chat.prompt_ids([{"role": "user", "content": t}], spec.sampling.enable_thinking)) for t in texts
+    )
+    assert measured is not None and measured.n == 30 and measured.max == expected[-1]
+    assert measured.mean == pytest.approx(sum(expected) / 30) and measured.p99 == expected[-1]
+    by_python = PromptTokens.measured(expected, measured.source)  # the same definitions, in Arrow and in Python
+    assert (by_python.n, by_python.p99, by_python.max) == (measured.n, measured.p99, measured.max)
+    assert PromptTokens.measured(list(range(1, 201)), "x").p99 == 199  # index ceil(0.99 x 199) = 198 holds 199
+    assert "5 of 5 shards" in measured.source
+    assert planning.conversation_turns(plan, layout) == 1.0
+
+    for k, v in STANDIN_GPU.items():
+        monkeypatch.setenv(k, v)
+    settings = Settings(engine="standin", work_dir=tmp_path)
+    memory, line = environment.memory_plan_for(settings, spec, None, None, measured)
+    assert memory is not None
+    assert memory.context_tokens == math.ceil(measured.mean + 1024)
+    assert memory.context_source.startswith(f"prompt mean {measured.mean:,.0f} / p99 {measured.p99:,} / max")
+    assert "measured at planning" in line
+    unmeasured, _ = environment.memory_plan_for(settings, spec)
+    assert unmeasured is not None and unmeasured.context_tokens == 512 + 1024
+    assert "assumed: the prompts are not rendered yet" in unmeasured.context_source
+
+
+def test_a_candidate_whose_kv_pool_cannot_hold_the_longest_request_is_not_chosen(model: ModelShape) -> None:
+    free = plan_memory(model, GPU, 2048, context_source="test")
+    planned_kv = free.planned.sizing.max_total_num_tokens
+    plan = plan_memory(model, GPU, 2048, context_source="test", longest_request_tokens=planned_kv + 1)
+    assert plan.chosen != free.chosen and plan.planned.sizing.max_total_num_tokens > planned_kv
+    assert any(f"KV pool too small for the longest request ({planned_kv + 1:,}" in r for r in plan.reasons)
+    huge = plan_memory(model, GPU, 2048, context_source="test", longest_request_tokens=10**7)
+    assert huge.chosen == max(huge.candidates, key=lambda c: c.sizing.max_total_num_tokens).name
+    assert any("no candidate's KV pool holds the longest request" in r for r in huge.reasons)
+
+
+def test_turns_every_weighs_the_radix_cache_and_turns_last_drops_it(model: ModelShape) -> None:
+    long_history = plan_memory(
+        model, GPU, 16384, context_source="test", turns="every", turns_per_conversation=8, output_tokens=300
+    )
+    assert long_history.chosen == "radix-balanced" and "--disable-radix-cache" not in long_history.plan_args
+    assert "--max-mamba-cache-size" in long_history.plan_args  # pools balanced at 5 slots per running request
+    why = next(r for r in long_history.reasons if r.startswith("turns extend a prefix"))
+    assert "8 turns per conversation; 5 state slots per request with the radix cache, 1 without); keep" in why
+    short = plan_memory(model, GPU, 4096, context_source="test", turns="every", turns_per_conversation=2)
+    assert short.chosen == "no-radix-balanced" and "drop the radix cache" in " ".join(short.reasons)
+    last = plan_memory(model, GPU, 16384, context_source="test", turns="last", turns_per_conversation=8)
+    assert last.chosen == "no-radix-balanced"
+    assert any(r.startswith("single-turn requests (turns: last)") for r in last.reasons)
+    one = plan_memory(model, GPU, 16384, context_source="test", turns="every", turns_per_conversation=1)
+    assert any(r.startswith("single-turn requests (one turn per conversation)") for r in one.reasons)
+    unknown_card = GpuMemory(GPU_BYTES, GPU_BYTES, WEIGHTS)  # no bandwidth, no FLOPs: no estimate
+    blind = plan_memory(
+        model, unknown_card, 16384, context_source="test", turns="every", turns_per_conversation=8, output_tokens=300
+    )
+    assert blind.chosen == "no-radix-balanced" and any(
+        "no estimate of the multi-turn trade" in r for r in blind.reasons
+    )

@@ -24,11 +24,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from datagen import catalog
+from datagen.engine.memory_plan import GpuMemory, ModelShape, plan_memory
 from datagen.identity import PromptIdentity
 from datagen.localstack import LocalS3
 from datagen.model_fixture import ensure_model_dir
 from datagen.records import Message
 from datagen.runspec import RunSpec
+from datagen.standin.knobs import Knobs
 from datagen.storage import ObjectStore
 from tasks.shard_exchange import ShardExchange
 from tests.prefect_fixtures import (
@@ -48,6 +50,8 @@ NAMESPACE = "multibox_v1"
 N_PROMPTS = 48
 WAIT_S = 420.0  # hang guard only
 # Slow, short stand-in outputs: ~1.6 s per request, 2 at a time per box, so shards last a few seconds.
+# One RTX PRO 6000 (96 GB) on box a, one 80 GB card on box b.
+BOX_GPU_BYTES = {"box-a": 97_887 * 2**20, "box-b": 81_559 * 2**20}
 STANDIN_PACE = {
     "DATAGEN_STANDIN_MAX_RUNNING": "2",
     "DATAGEN_STANDIN_STEP_BASE_MS": "400",
@@ -136,6 +140,8 @@ def test_two_boxes_share_a_run_and_a_killed_box_loses_nothing(
         env.update({"DATAGEN_BASE_PORT": "0", "DATAGEN_NUM_SERVERS": "1"})
         if box != "control":
             env["DATAGEN_BOX_NAME"] = box
+            # Each box's stand-in emulates its own card, so each box's memory plan differs (its own probe).
+            env["DATAGEN_STANDIN_GPU_MEMORY_BYTES"] = str(BOX_GPU_BYTES[box])
         return env
 
     def parts_by(box: str) -> list[str]:
@@ -169,6 +175,7 @@ def test_two_boxes_share_a_run_and_a_killed_box_loses_nothing(
             "shard_size": 4,
             "context_length": 4096,
             "sampling": {"max_new_tokens": 64},
+            "server_args": ["--max-running-requests", "2"],  # the pace above: the spec's flag wins over the plan
             "validation": {"min_answer_tokens": 0, "reject_truncated": False},
             "quality_gate": {"max_reject_rate": 1.0, "max_short_share": 1.0, "min_median_completion_tokens": 0},
         }
@@ -223,6 +230,20 @@ def test_two_boxes_share_a_run_and_a_killed_box_loses_nothing(
     assert len(shipped) + len(rejected) == N_PROMPTS
     # The parent wrote the namespace's catalog part: a later expansion skips every one of these prompts.
     assert catalog.published_prompt_ids(store) == expected
+
+    # Each box's own memory plan reached the lineage and the card (before: "memory plan flags: none").
+    manifest = json.loads(store.get_bytes(f"{NAMESPACE}/manifest.json"))
+    by_box = manifest["lineage"]["memory_plan"]["by_box"]
+    finished_by = {str(sx.done_marker(s)["box"]) for s in range(N_PROMPTS // 4)}
+    assert set(by_box) == finished_by and "box-a" in finished_by
+    shape = ModelShape.from_model_dir(model_dir)
+    card = store.get_bytes(f"{NAMESPACE}/README.md").decode()
+    for box, plan in by_box.items():
+        gpu = GpuMemory(BOX_GPU_BYTES[box], BOX_GPU_BYTES[box], Knobs().weights_bytes)
+        expected = plan_memory(shape, gpu, 64, context_source="test", server_args=spec["server_args"]).plan_args
+        assert plan["plan_args"] == expected and "--disable-radix-cache" in expected
+        assert f"{box}: {' '.join(expected)}" in card
+    assert len({" ".join(p["plan_args"]) for p in by_box.values()}) == len(by_box)  # two cards, two plans
 
     # The work was spread: both boxes claimed shards and rows of both are among the collected rows.
     assert claim_boxes() == {"box-a", "box-b"}
