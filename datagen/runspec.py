@@ -268,6 +268,14 @@ class RunSpec(BaseModel):
             "generated again, and its length estimates order dispatch when order is 'long_first'."
         ),
     )
+    turns: Literal["every", "last"] = Field(
+        "last",
+        description=(
+            "Which assistant turns the target writes: 'every' regenerates each assistant turn of a conversation in "
+            "order against its own earlier answers (recorded tool results spliced in; docs/conversations.md), "
+            "'last' only the final one after the row's own history."
+        ),
+    )
     order: Literal["source", "long_first"] = Field(
         "source",
         description=(

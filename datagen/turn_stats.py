@@ -34,7 +34,6 @@ __all__ = [
     "conversations",
     "distribution",
     "ends_segment",
-    "every_turn",
     "is_step_row",
 ]
 
@@ -42,12 +41,6 @@ log = logging.getLogger(__name__)
 
 COMPLETE = "complete"  # the outcome of a conversation whose every user turn was answered
 _PERCENTILES = (50, 90, 99)
-
-
-def every_turn(spec: Any) -> bool:
-    """Whether a run spec regenerates every assistant turn (`RunSpec.turns == "every"`)."""
-    # A spec without the field (written before `turns` existed) is `last`: today's behaviour, byte for byte.
-    return getattr(spec, "turns", "last") == "every"
 
 
 def is_step_row(row: Mapping[str, Any]) -> bool:

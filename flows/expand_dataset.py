@@ -44,7 +44,7 @@ from datagen.pinned import pin_facts
 from datagen.runspec import AUTO_NAMESPACE, QualityGate, RunSpec
 from datagen.settings import Settings
 from datagen.storage import ObjectStore, s3_preflight
-from datagen.turn_stats import StepTail, every_turn
+from datagen.turn_stats import StepTail
 from tasks import (
     environment,
     finishing,
@@ -331,7 +331,7 @@ def _generate(
             progress_id,
             logger,
             label=label,
-            turns=_step_tail(plan, layout) if every_turn(spec) else None,
+            turns=_step_tail(plan, layout) if spec.turns == "every" else None,
         )
         with reporter as progress:
             results = _generate_shards(plan, spec, layout, chat, served.dispatcher, stream)
@@ -485,7 +485,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
             description=f"Generation of {spec.namespace}: "
             + (
                 f"conversations finished, of {plan.n_prompts}"
-                if every_turn(spec)
+                if spec.turns == "every"
                 else f"prompts with a result, of {plan.n_prompts}"
             ),
         ),
@@ -502,7 +502,7 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         spec, layout, chat, plan.n_load_rejects, shard_results, run_id, stream, plan_args, plan_note=note
     )
     clock.mark("validation + tokenization")
-    turn_counts = _step_tail(plan, layout).poll() if every_turn(spec) else None
+    turn_counts = _step_tail(plan, layout).poll() if spec.turns == "every" else None
     lineage = {
         "run_spec": spec.model_dump(mode="json"),
         "model_path": spec.model_path,

@@ -50,7 +50,7 @@ from datagen.report import quiet_per_shard_completions, run_name
 from datagen.runspec import ExchangeSpec, MultiBoxSpec, RunSpec
 from datagen.settings import Settings
 from datagen.storage import ObjectStore, s3_preflight
-from datagen.turn_stats import StepTail, every_turn
+from datagen.turn_stats import StepTail
 from flows.expand_dataset import (
     check_environment_task,
     finish_dataset,
@@ -398,7 +398,7 @@ def expand_dataset_multibox(
             [Path(r.rejects_path) for r in shard_results],
             plan.n_prompts,
         ).poll()
-        if every_turn(spec)
+        if spec.turns == "every"
         else None
     )
     conversations = (

@@ -157,8 +157,7 @@ def memory_plan_for(
     max_new = spec.sampling.max_new_tokens
     context, output_source = expected_context(prompt_tokens.mean, mean_output_tokens, max_new)
     output = mean_output_tokens if mean_output_tokens is not None else max_new / 2
-    # TODO(lead): RunSpec.turns arrives with the multi-turn branch; after the merge read spec.turns directly.
-    turns: Turns = "every" if getattr(spec, "turns", "last") == "every" else "last"
+    turns: Turns = spec.turns
     plan = plan_memory(
         ModelShape.from_config(config),
         gpu,

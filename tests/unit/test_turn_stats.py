@@ -12,7 +12,7 @@ import pytest
 from datagen import report
 from datagen.engine.stats import DispatcherStats
 from datagen.records import Completion, Message, Reject
-from datagen.turn_stats import StepTail, TurnSummary, conversations, every_turn, is_step_row
+from datagen.turn_stats import StepTail, TurnSummary, conversations, is_step_row
 
 
 def step(
@@ -231,13 +231,6 @@ def test_run_report_counts_conversations_in_every_turn_mode_and_last_mode_is_unc
         "user_turns": 5,
         "conversations_by_outcome": {"tool_call_divergence": 1, "complete": 1, "context_exceeded": 1},
     }
-
-
-def test_a_spec_without_turns_is_last_mode() -> None:
-    class Spec:
-        turns = "every"
-
-    assert every_turn(Spec()) and not every_turn(object())
 
 
 def test_the_cli_summary_names_conversations_in_every_turn_mode(tmp_path: Path) -> None:
