@@ -309,6 +309,9 @@ def test_failed_run_page_shows_the_failing_task_and_message(ui_stack: UiStack, t
     run = ui_stack.api.wait_for_flow_run(flow_run_id, RUN_TIMEOUT_S, diagnostics=ui_stack.worker_log)
     assert run["state_type"] == "FAILED", run["state"]
     assert run["name"].startswith("expand ui-failed-run · "), run["name"]
+    message = run["state"]["message"]
+    assert message.startswith("check environment failed: ") and "engine.attention_backend" in message, message
+    (failure,) = [a for a in ui_stack.api.artifacts(flow_run_id) if a["key"] == "run-failure"]
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch_persistent_context(
@@ -322,13 +325,17 @@ def test_failed_run_page_shows_the_failing_task_and_message(ui_stack: UiStack, t
             _log_in(page, ui_stack, f"/v2/runs/flow-run/{flow_run_id}")
             page.get_by_text("expand ui-failed-run").first.wait_for(timeout=60_000)
             page.get_by_text("Failed", exact=True).first.wait_for(timeout=60_000)
-            # The page opens on Logs: the failure's exception is there once the logs have loaded.
-            page.get_by_text("EnvironmentCheckFailed", exact=False).first.wait_for(timeout=60_000)
-            page.screenshot(path=str(SCREENSHOTS / "failed-run.png"))
-            # Prefect 3.9's UI shows the state message in the Details tab (DEPLOY.md says so).
-            page.get_by_role("tab", name="Details").click()
-            page.get_by_text("engine.attention_backend", exact=False).first.wait_for(timeout=30_000)
-            page.screenshot(path=str(SCREENSHOTS / "failed-run-details.png"))
+            page.get_by_text("Task run failed with exception", exact=False).first.wait_for(timeout=60_000)
+            print("DEFAULT PAGE TEXT >>>", page.inner_text("body")[:4000], "<<<")
+            page.screenshot(path=str(ui_stack.artifacts_dir / "probe-default.png"))
+            page.goto(f"{ui_stack.server.url}/v2/runs/flow-run/{flow_run_id}?tab=Details")
+            page.get_by_text("State Message", exact=True).first.wait_for(timeout=60_000)
+            print("DETAILS PAGE TEXT >>>", page.inner_text("body")[:4000], "<<<")
+            page.screenshot(path=str(ui_stack.artifacts_dir / "probe-details.png"))
+            page.goto(f"{ui_stack.server.url}/v2/artifacts/artifact/{failure['id']}")
+            page.get_by_text("Where to look", exact=False).first.wait_for(timeout=60_000)
+            print("ARTIFACT PAGE TEXT >>>", page.inner_text("body")[:4000], "<<<")
+            page.screenshot(path=str(ui_stack.artifacts_dir / "probe-artifact.png"), full_page=True)
         except (AssertionError, PlaywrightTimeout):
             page.screenshot(path=str(ui_stack.artifacts_dir / "ui-failure-failed-run.png"), full_page=True)
             raise
