@@ -44,11 +44,11 @@ NOTIFICATION_SUBJECT = "datagen: {{ flow_run.name }} {{ flow_run.state.name }}"
 NOTIFICATION_BODY = """\
 Run "{{ flow_run.name }}" of deployment "{{ deployment.name }}" ({{ flow.name }}) ended {{ flow_run.state.name }}.
 {% if event.payload.failed_task %}Failing task: {{ event.payload.failed_task }}
-Task message: {{ event.payload.task_message }}
 {% elif 'Crashed' in event.event %}Failing task: none (the run crashed: its process or box went away)
 {% else %}Failing task: none (the run failed outside a task)
 {% endif %}Run message: {{ flow_run.state.message }}
-{% if flow_run|ui_url %}Open it: {{ flow_run|ui_url }} (the message is in the run page's Details tab)
+{% if event.payload.report_url %}Why, with links (the reason is the page's first line): {{ event.payload.report_url }}
+{% endif %}{% if flow_run|ui_url %}Open it: {{ flow_run|ui_url }} (the message is in the run page's Details tab)
 {% else %}Flow run id: {{ flow_run.id }} (set PREFECT_UI_URL on the server for a link)
 {% endif %}"""
 
@@ -59,6 +59,11 @@ def announce_failure(flow: Any, flow_run: Any, state: Any) -> None:
 
     # The state holds the exception that ended the run (datagen.failure.reported): the task it came from.
     failed = failure.of_state(state, getattr(flow, "name", "the flow")) if state is not None else None
+    try:
+        report = failure.report_url(flow_run.id) or ""
+    except Exception as exc:  # the notification still goes out, without the link
+        report = ""
+        print(f"datagen.alerts: could not read the run-failure artifact: {exc}", file=sys.stderr)
     related: list[dict[str, str]] = []
     if getattr(flow_run, "deployment_id", None):
         related.append(
@@ -75,6 +80,7 @@ def announce_failure(flow: Any, flow_run: Any, state: Any) -> None:
         payload={
             "failed_task": (failed.task or "") if failed else "",
             "task_message": failed.reason if failed else "",
+            "report_url": report,
             "message": (state.message or "") if state is not None else "",
         },
     )

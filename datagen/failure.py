@@ -9,9 +9,11 @@ Every deployed flow's body is one call, `return failure.reported(body, ...)`. Wh
 - a `run-failure` markdown artifact holds the long report: the exception's full text and links a browser opens
   (the run, the failing task run, every other artifact of the run); a worker-local path is never the only pointer.
 - the traceback is in the run's log once. Prefect logs a failed task's exception with its traceback at the
-  task, and again, traceback and all, at the flow ("Encountered exception during execution") and when the
-  engine exits ("Engine execution exited with unexpected exception"). `OnceTraceback` keeps the first
-  traceback of each exception object and drops it from later records; their message lines stay.
+  task, then its "Finished in state Failed(...)" line, and, when the flow raises it, again with the traceback at
+  the flow ("Encountered exception during execution") and when the engine exits ("Engine execution exited with
+  unexpected exception"): 3 tracebacks, the message 5 times. The flow no longer raises (it returns its Failed
+  state), and `OnceTraceback` keeps the first traceback of each exception object, dropping it from later
+  records (their message lines stay) and dropping the failed task's repeated "Finished in state" line.
 
 The flow's Failed state keeps the exception as its data, so a caller of the flow (the CLI, a test) still gets
 the original exception raised, and the on-failure alert reads the same description from it (`of_state`).
@@ -20,6 +22,7 @@ the original exception raised, and the on-failure alert reads the same descripti
 from __future__ import annotations
 
 import logging
+import textwrap
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import suppress
@@ -36,6 +39,7 @@ __all__ = [
     "failing_task",
     "of_state",
     "reason",
+    "report_url",
     "reported",
 ]
 
@@ -146,18 +150,31 @@ def of_state(state: Any, flow: str = "the flow") -> Failure | None:
 
 
 class OnceTraceback(logging.Filter):
-    """Keeps the first traceback of each exception in the log: later records about it keep only their message."""
+    """Keeps the first traceback of each exception in the log: later records about it keep only their message.
+
+    A task run whose failure was just logged with its traceback also drops its "Finished in state Failed(...)"
+    line: the same message again, without anything new.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._task_runs_logged: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
+        task_run = str(getattr(record, "task_run_id", "") or "")
+        if task_run in self._task_runs_logged and str(record.msg).startswith("Finished in state Failed"):
+            return False
         exc = record.exc_info[1] if record.exc_info else None
         if exc is None or record.levelno < logging.INFO:
             return True
         if getattr(exc, _LOGGED, False):
             record.exc_info = None
             record.exc_text = None
-        else:
-            with suppress(AttributeError, TypeError):  # one that takes no attributes is logged whole every time
-                setattr(exc, _LOGGED, True)
+            return True
+        with suppress(AttributeError, TypeError):  # one that takes no attributes is logged whole every time
+            setattr(exc, _LOGGED, True)
+        if task_run:
+            self._task_runs_logged.add(task_run)
         return True
 
 
@@ -196,6 +213,14 @@ def _run_artifacts(flow_run_id: UUID) -> list[Any]:
     return list(artifacts)
 
 
+def _wrapped(text: str, width: int = 100) -> list[str]:
+    """A code block's lines, long ones wrapped (the UI scrolls a code block sideways instead of wrapping it)."""
+    out: list[str] = []
+    for line in text.splitlines() or [""]:
+        out += textwrap.wrap(line, width, subsequent_indent="    ", break_on_hyphens=False) or [""]
+    return out
+
+
 def report_markdown(failure: Failure, exc: BaseException, flow_run: Any, artifacts: list[Any]) -> str:
     """The run-failure artifact: the one line, the links, the exception's full text."""
     run_url = _ui_link("flow-run", flow_run.id)
@@ -216,7 +241,7 @@ def report_markdown(failure: Failure, exc: BaseException, flow_run: Any, artifac
         "## The error, in full",
         "",
         "```text",
-        str(exc).replace("```", "'''") or type(exc).__name__,
+        *_wrapped(str(exc).replace("```", "'''") or type(exc).__name__),
         "```",
         "",
         "## Where to look",
@@ -228,6 +253,20 @@ def report_markdown(failure: Failure, exc: BaseException, flow_run: Any, artifac
     logs = f"{run_url}?tab=Logs" if run_url else None
     lines.append(f"- {_md_link('the run log', logs)}: the traceback, once")
     return "\n".join(lines) + "\n"
+
+
+def report_url(flow_run_id: UUID) -> str | None:
+    """The browser link of a run's run-failure artifact (its first line is the reason), if it has one."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), key=ArtifactFilterKey(any_=[ARTIFACT_KEY])
+            )
+        )
+    return _ui_link("artifact", found[0].id) if found else None
 
 
 def _write_report(failure: Failure, exc: BaseException, flow_run: Any) -> bool:
@@ -258,8 +297,8 @@ def reported(body: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         ctx = FlowRunContext.get()
         flow_run = ctx.flow_run if ctx else None
         failure = describe(exc, ctx.flow.name if ctx and ctx.flow else "the flow", _work_dir())
-        # The traceback is logged here only if no task logged it already (OnceTraceback).
-        get_run_logger().error("%s", failure.line, exc_info=exc)
+        if not getattr(exc, _LOGGED, False):  # raised outside a task: nothing has logged it yet
+            get_run_logger().error("%s", failure.line, exc_info=exc)
         written = flow_run is not None and _write_report(failure, exc, flow_run)
         message = failure.line + (f"; see the {ARTIFACT_KEY} artifact" if written else "")
         return cast(R, Failed(message=message, data=exc))

@@ -342,6 +342,9 @@ def test_unsupported_server_flag_fails_the_environment_check_task_before_any_ser
     assert "ended Failed" in body and flow_run_id in body, body
     # Issue 25.5: a link to the run that opens the V2 UI (prefect-server.sh sets PREFECT_UI_URL on loopback).
     assert f"{stack.server.url}/v2/runs/flow-run/{flow_run_id}" in body, body
+    # Issue 25.3: and one to the run-failure artifact, whose first line is the reason.
+    (failure,) = [a for a in stack.api.artifacts(flow_run_id) if a["key"] == "run-failure"]
+    assert f"{stack.server.url}/v2/artifacts/artifact/{failure['id']}" in body, body
 
 
 def _assert_one_line_reason(stack: Stack, flow_run_id: str, run: dict[str, Any], task: str, *reason: str) -> str:

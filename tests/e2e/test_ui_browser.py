@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from playwright.sync_api import Page, sync_playwright
+from playwright.sync_api import Page, expect, sync_playwright
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from datagen.localstack import LocalS3
@@ -311,6 +311,7 @@ def test_failed_run_page_shows_the_failing_task_and_message(ui_stack: UiStack, t
     assert run["name"].startswith("expand ui-failed-run · "), run["name"]
     message = run["state"]["message"]
     assert message.startswith("check environment failed: ") and "engine.attention_backend" in message, message
+    line = message.removesuffix("; see the run-failure artifact")
     (failure,) = [a for a in ui_stack.api.artifacts(flow_run_id) if a["key"] == "run-failure"]
 
     with sync_playwright() as pw:
@@ -322,20 +323,29 @@ def test_failed_run_page_shows_the_failing_task_and_message(ui_stack: UiStack, t
         )
         page = browser.new_page()
         try:
-            _log_in(page, ui_stack, f"/v2/runs/flow-run/{flow_run_id}")
-            page.get_by_text("expand ui-failed-run").first.wait_for(timeout=60_000)
+            # The link the failure alert sends (datagen.failure.report_url): the run-failure artifact's page.
+            _log_in(page, ui_stack, f"/v2/artifacts/artifact/{failure['id']}")
+            heading = page.get_by_role("heading", name=line, exact=True)
+            heading.wait_for(timeout=60_000)
+            # Issue 25.3: the first thing on the page, above the fold, is the failing task and the reason.
+            expect(heading).to_be_in_viewport(timeout=30_000)
+            text = page.inner_text("main") if page.locator("main").count() else page.inner_text("body")
+            first = text[: text.index(line)]
+            assert "check environment" not in first and "attention" not in first, first  # nothing said before it
+            assert text.index(line) < text.index("Failing task") < text.index("The error, in full"), text
+            page.screenshot(path=str(SCREENSHOTS / "failed-run-reason.png"))
+
+            # Its links open in the browser: the run (the same line is the Details tab's State Message) ...
+            page.get_by_test_id("markdown-display").get_by_role("link", name=run["name"], exact=True).click()
+            page.wait_for_url(f"**/runs/flow-run/{flow_run_id}**", timeout=30_000)
             page.get_by_text("Failed", exact=True).first.wait_for(timeout=60_000)
+            # Prefect's router opens a run on its Logs tab (the `tab` search parameter defaults to Logs; DEPLOY.md).
+            assert page.get_by_role("tab", name="Logs").get_attribute("aria-selected") == "true"
             page.get_by_text("Task run failed with exception", exact=False).first.wait_for(timeout=60_000)
-            print("DEFAULT PAGE TEXT >>>", page.inner_text("body")[:4000], "<<<")
-            page.screenshot(path=str(ui_stack.artifacts_dir / "probe-default.png"))
-            page.goto(f"{ui_stack.server.url}/v2/runs/flow-run/{flow_run_id}?tab=Details")
-            page.get_by_text("State Message", exact=True).first.wait_for(timeout=60_000)
-            print("DETAILS PAGE TEXT >>>", page.inner_text("body")[:4000], "<<<")
-            page.screenshot(path=str(ui_stack.artifacts_dir / "probe-details.png"))
-            page.goto(f"{ui_stack.server.url}/v2/artifacts/artifact/{failure['id']}")
-            page.get_by_text("Where to look", exact=False).first.wait_for(timeout=60_000)
-            print("ARTIFACT PAGE TEXT >>>", page.inner_text("body")[:4000], "<<<")
-            page.screenshot(path=str(ui_stack.artifacts_dir / "probe-artifact.png"), full_page=True)
+            page.screenshot(path=str(SCREENSHOTS / "failed-run.png"))
+            page.get_by_role("tab", name="Details").click()
+            page.get_by_text(message, exact=True).first.wait_for(timeout=30_000)
+            page.screenshot(path=str(SCREENSHOTS / "failed-run-details.png"))
         except (AssertionError, PlaywrightTimeout):
             page.screenshot(path=str(ui_stack.artifacts_dir / "ui-failure-failed-run.png"), full_page=True)
             raise

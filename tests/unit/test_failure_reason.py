@@ -84,6 +84,27 @@ def test_each_exception_keeps_its_first_traceback_only(caplog: pytest.LogCapture
     assert [r.exc_info is not None for r in records] == [True, False, True, False]
 
 
+def test_a_failed_task_says_it_once(caplog: pytest.LogCaptureFixture) -> None:
+    # As Prefect's task engine logs a failure: the exception with its traceback, then "Finished in state Failed".
+    logger = logging.getLogger("datagen.test.task")
+    logger.addFilter(OnceTraceback())
+    exc = RuntimeError("gate")
+    with caplog.at_level(logging.INFO, logger="datagen.test.task"):
+        logger.info("Finished in state Completed()", extra={"task_run_id": "a"})
+        logger.info("Finished in state Failed('not logged before')", extra={"task_run_id": "b"})
+        logger.error("Task run failed with exception: %r", exc, exc_info=exc, extra={"task_run_id": "c"})
+        logger.error(
+            "Finished in state Failed('Task run encountered an exception RuntimeError: gate')",
+            extra={"task_run_id": "c"},
+        )
+    messages = [r.getMessage() for r in caplog.records if r.name == "datagen.test.task"]
+    assert messages == [
+        "Finished in state Completed()",
+        "Finished in state Failed('not logged before')",
+        "Task run failed with exception: RuntimeError('gate')",
+    ]
+
+
 @dataclass
 class _Artifact:
     id: uuid.UUID
@@ -110,6 +131,8 @@ def test_report_links_the_run_the_task_and_every_artifact_in_the_v2_ui() -> None
     assert f"- [validation-report](http://box:4200/v2/artifacts/artifact/{validation.id}): Validation of ns" in md
     assert f"[the run log](http://box:4200/v2/runs/flow-run/{run.id}?tab=Logs)" in md
     assert "quality gate FAILED (1 check(s))\n- x: y" in md  # the whole error
+    wide = report_markdown(failure, ValueError("word " * 60), run, [])
+    assert max(len(line) for line in wide.split("```text")[1].splitlines()) <= 100  # wrapped, not scrolled
     # No UI URL known (a local run): names, not links.
     with temporary_settings({PREFECT_UI_URL: ""}):
         md = report_markdown(Failure(reason="r", flow="pilot"), exc, run, [validation])
