@@ -11,9 +11,9 @@ Every deployed flow's body is one call, `return failure.reported(body, ...)`. Wh
 - the traceback is in the run's log once. Prefect logs a failed task's exception with its traceback at the
   task, then its "Finished in state Failed(...)" line, and, when the flow raises it, again with the traceback at
   the flow ("Encountered exception during execution") and when the engine exits ("Engine execution exited with
-  unexpected exception"): 3 tracebacks, the message 5 times. The flow no longer raises (it returns its Failed
-  state), and `OnceTraceback` keeps the first traceback of each exception object, dropping it from later
-  records (their message lines stay) and dropping the failed task's repeated "Finished in state" line.
+  unexpected exception"): 3 tracebacks (2 for a failure outside a task). The flow no longer raises (it returns
+  its Failed state), and `OnceTraceback` keeps the first traceback of each exception object, dropping it from
+  later records (their message lines stay) and dropping the failed task's repeated "Finished in state" line.
 
 The flow's Failed state keeps the exception as its data, so a caller of the flow (the CLI, a test) still gets
 the original exception raised, and the on-failure alert reads the same description from it (`of_state`).
