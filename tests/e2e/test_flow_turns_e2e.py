@@ -19,12 +19,15 @@ import pytest
 import yaml
 
 from datagen.chat import ChatTokenizer
+from datagen.layout import RunLayout
 from datagen.localstack import LocalS3
 from datagen.model_fixture import ensure_model_dir
 from datagen.records import Completion
 from datagen.runspec import PromptSource, QualityGate, RunSpec, SamplingSpec
 from datagen.storage import ObjectStore
 from flows.expand_dataset import expand_dataset
+from flows.pilot import pilot_flow
+from tasks.pilot import PILOT_MARKDOWN, PilotSpec
 from tests.turn_fixtures import check_published_rows
 
 pytestmark = pytest.mark.slow
@@ -54,22 +57,29 @@ def _published(store: ObjectStore, namespace: str, local: Path) -> Path:
     return local
 
 
-def test_every_turn_run_publishes_rows_equal_to_the_template_of_its_conversations(
-    prefect_api: None, pipeline_env: dict[str, str], local_s3: LocalS3, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("DATAGEN_STANDIN_TOOL_CALL_RATE", "0.5")
-    model_dir = ensure_model_dir()
-    spec = RunSpec(
+def _spec(namespace: str) -> RunSpec:
+    return RunSpec(
         sources=[PromptSource(path=str(p), category_field="category") for p in SOURCES],
-        model_path=str(model_dir),
-        namespace="turns_v1",
+        model_path=str(ensure_model_dir()),
+        namespace=namespace,
         turns="every",
         shard_size=8,
         context_length=8192,
         sampling=SamplingSpec(max_new_tokens=1024),
         quality_gate=QualityGate(max_reject_rate=0.5, min_median_completion_tokens=8),
     )
-    summary = expand_dataset(spec)
+
+
+def _lines(paths: list[Path]) -> set[bytes]:
+    return {line for p in paths for line in p.read_bytes().splitlines() if line.strip()}
+
+
+def test_every_turn_run_publishes_rows_equal_to_the_template_of_its_conversations(
+    prefect_api: None, pipeline_env: dict[str, str], local_s3: LocalS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DATAGEN_STANDIN_TOOL_CALL_RATE", "0.5")
+    model_dir = ensure_model_dir()
+    summary = expand_dataset(_spec("turns_v1"))
 
     work = Path(pipeline_env["DATAGEN_WORK_DIR"])
     store = ObjectStore.from_settings(local_s3.settings(s3_prefix=pipeline_env["DATAGEN_S3_PREFIX"]))
@@ -138,3 +148,31 @@ def test_every_turn_run_publishes_rows_equal_to_the_template_of_its_conversation
     assert card["datagen"]["sizes"]["num_conversations"] == len(lines)
     assert card["datagen"]["sizes"]["num_turns"] == len(rows)
     assert summary["conversations"]["conversations_finished"] == 26 and summary["rows"] == len(rows)
+
+
+def test_every_turn_pilot_measures_conversations_and_the_main_run_reuses_their_steps(
+    prefect_api: None, pipeline_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pilot samples conversations and measures them per step and turn; the main run with `pilot:` imports each
+    sampled conversation's step lines whole (not generated again) and continues none of them."""
+    monkeypatch.setenv("DATAGEN_STANDIN_TOOL_CALL_RATE", "0.5")
+    spec = _spec("turns_pilot_v1")
+    result = pilot_flow(spec, PilotSpec(name="pt", sample_size=8, min_per_source=3, seed=7))
+    convs = result["conversations"]
+    assert convs["conversations"] == convs["finished"] == 8 == sum(convs["outcomes"].values())
+    assert convs["steps"] > convs["conversations"] and convs["user_turns"] > convs["conversations"]
+    assert result["projection"]["steps"] > 26
+    work = Path(pipeline_env["DATAGEN_WORK_DIR"])
+    pilot_root = RunLayout.for_run(work, "pt").root
+    assert "## Per turn" in (pilot_root / PILOT_MARKDOWN).read_text()
+
+    report = expand_dataset(spec.model_copy(update={"pilot": "pt"}))
+    assert report["prompts"] == 26 and report["conversations"]["conversations_finished"] == 26
+    main = RunLayout.for_run(work, "turns_pilot_v1")
+    pilot_steps = _lines(sorted(pilot_root.joinpath("shards").glob("*.completions.jsonl")))
+    main_steps = _lines(sorted(main.shards_dir.glob("*.completions.jsonl")))
+    assert len(pilot_steps) == convs["steps"] and pilot_steps <= main_steps
+    # Every conversation's steps 0, 1, 2, ... exactly once: the pilot's were not continued or generated again.
+    keys = Counter(json.loads(line)["request_key"] for line in main_steps)
+    assert set(keys.values()) == {1}
+    assert report["conversations"]["steps"] == len(main_steps)
