@@ -25,7 +25,8 @@ from typing import Any
 from datagen.chat import ChatTokenizer, Tools
 from datagen.preparation import Preparer, Unsendable
 from datagen.prompt_view import PromptView
-from datagen.records import Message
+from datagen.records import Message, Prompt
+from datagen.regeneration import Script
 from datagen.runspec import RunSpec, SamplingSpec
 
 __all__ = [
@@ -143,9 +144,10 @@ class PromptIdentity:
 
 
 def first_request(messages: list[Message]) -> list[Message]:
-    """Every turn's first request: the messages through the first user turn (all of them when there is none)."""
-    first_user = next((i for i, m in enumerate(messages) if m.role == "user"), len(messages) - 1)
-    return messages[: first_user + 1]
+    """Every turn's first request (`datagen.regeneration.Regenerator.first`): the conversation's head and its first
+    user turn; raises Unsendable when it has no user query."""
+    script = Script.of(Prompt(prompt_id="", source="", row=0, messages=messages))
+    return [*script.head, *script.turns[0].opening]
 
 
 def preparer_for(spec: RunSpec, chat: ChatTokenizer) -> Preparer:
