@@ -181,9 +181,19 @@ class RequestKeys:
 
 
 def generation_cache_key(
-    namespace: str, plan_sha256: str, sampling: SamplingSpec, model_fingerprint: str, shard_id: int
+    namespace: str,
+    plan_sha256: str,
+    sampling: SamplingSpec,
+    model_fingerprint: str,
+    shard_id: int,
+    turns: str = "last",
 ) -> str:
-    """Prefect cache key of a shard's generation task: survives new flow runs (unlike Prefect's default policy)."""
+    """Prefect cache key of a shard's generation task: survives new flow runs (unlike Prefect's default policy).
+
+    `turns: every` shards hold other lines (steps) than `last` ones of the same plan: their key says so (a `last`
+    key is what it always was).
+    """
     request_params = json.dumps({"sampling": sampling.model_dump(), "fingerprint": model_fingerprint}, sort_keys=True)
     digest = hashlib.sha256(request_params.encode()).hexdigest()[:16]
-    return f"generate-{namespace}-{plan_sha256[:16]}-{digest}-shard-{shard_id:05d}"
+    mode = "" if turns == "last" else f"-turns-{turns}"
+    return f"generate-{namespace}-{plan_sha256[:16]}-{digest}{mode}-shard-{shard_id:05d}"
