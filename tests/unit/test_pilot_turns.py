@@ -151,7 +151,9 @@ def test_the_decode_simulation_holds_a_slot_for_a_whole_conversation(tmp_path: P
 def test_a_main_run_imports_every_step_of_the_pilots_conversations(tmp_path: Path) -> None:
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"instruction": f"question {i}"}) + "\n" for i in range(3)))
-    spec = RunSpec(sources=[PromptSource(path=str(prompts))], shard_size=3, model_path=str(ensure_model_dir()))
+    spec = RunSpec(
+        sources=[PromptSource(path=str(prompts))], shard_size=3, model_path=str(ensure_model_dir()), turns="every"
+    )
     chat = ChatTokenizer.shared(spec.model_path)
     pilot_layout, main_layout = RunLayout(tmp_path / "pilot"), RunLayout(tmp_path / "main")
     plan = plan_shards(spec, main_layout)
@@ -189,3 +191,10 @@ def test_a_main_run_imports_every_step_of_the_pilots_conversations(tmp_path: Pat
     rows = [json.loads(x) for x in other.shard_completions(0).read_text().splitlines()]
     assert [(r["prompt_id"], r["step"]) for r in rows] == [(pids[0], 0), (pids[1], 0)]
     assert conversation_key("abc:step-12") == "abc" and conversation_key("abc") == "abc"
+
+    # A main run of the other mode reuses nothing: `last` completions are not steps, and steps are not completions.
+    last = RunLayout(tmp_path / "last")
+    last_spec = spec.model_copy(update={"turns": "last"})
+    result = import_pilot(pilot_layout, last, plan_shards(last_spec, last), last_spec, chat)
+    assert (result.imported_completions, result.imported_rejects, result.other_mode) == (0, 0, 5)
+    assert not last.shard_completions(0).exists() or last.shard_completions(0).read_text() == ""
