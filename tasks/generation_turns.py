@@ -35,7 +35,7 @@ from datagen.regeneration import Ended, Regenerator, Script, StepRequest, split_
 from datagen.runspec import RunSpec
 from tasks.generation import GenerationIncomplete, ShardResult, completion_record, generation_reject, read_prompts
 
-__all__ = ["generate_conversations", "unsettled_conversations"]
+__all__ = ["generate_conversations", "read_ledger", "unsettled_conversations"]
 
 logger = logging.getLogger("datagen.generation")
 
