@@ -54,6 +54,7 @@ __all__ = [
     "StepRequest",
     "UserTurn",
     "is_query",
+    "split_step_key",
     "step_key",
     "step_record",
 ]
@@ -85,6 +86,12 @@ _TOOL_RESPONSE = ("<tool_response>", "</tool_response>")
 def step_key(conversation_key: str, step: int) -> str:
     """The request key of step `step` of the conversation whose request key is `conversation_key`."""
     return f"{conversation_key}{STEP_KEY_SEPARATOR}{step}"
+
+
+def split_step_key(key: str) -> tuple[str, int] | None:
+    """(conversation key, step) of a step's request key; None for a key of another form (a `last` mode key)."""
+    base, sep, n = key.rpartition(STEP_KEY_SEPARATOR)
+    return (base, int(n)) if sep and n.isdigit() else None
 
 
 def is_query(m: Message) -> bool:
