@@ -39,6 +39,7 @@ from datagen.identity import PromptIdentity, RequestKeys
 from datagen.layout import RunLayout
 from datagen.prompts import iter_prompts
 from datagen.quality import ValidationSummary
+from datagen.regeneration import split_step_key
 from datagen.runspec import RunSpec
 from tasks import pilot_turns
 from tasks.generation import read_prompts
@@ -784,7 +785,7 @@ def import_pilot(
         wanted_r: list[CheckpointLine] = []
         for prompt in read_prompts(layout.shard_prompts(shard_id)):
             keys = steps.get(key_of(prompt.prompt_id), [])
-            if any((pilot_turns.STEP_KEY_SEPARATOR in key) != every for key in keys):
+            if any((split_step_key(key) is not None) != every for key in keys):
                 # A pilot of the other mode: its lines are not what this run's engine writes or continues.
                 report.other_mode += len(keys)
                 continue
