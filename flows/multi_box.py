@@ -133,6 +133,7 @@ def generate_on_box(
     `prompt_tokens`/`turns_per_conversation`: the run's prompts as the parent planned them (this box fetches only
     the prompts files, not the render cache), for this box's memory plan on its own GPUs.
     """
+    _refuse_every_turn(spec)
     logger = get_run_logger()
     quiet_per_shard_completions()  # no line per shard task run: the progress lines stay readable
     settings = Settings()
@@ -230,6 +231,16 @@ def plans_by_box(markers: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if isinstance(marker.get("memory_plan"), dict):
             out[str(marker["box"])] = marker["memory_plan"]
     return out
+
+
+def _refuse_every_turn(spec: RunSpec) -> None:
+    """Multi-box runs are `turns: last` only, for now: refused before anything starts rather than half run."""
+    if spec.turns != "last":
+        raise ValueError(
+            f"turns: {spec.turns} is not built for multi-box runs yet: the shard exchange collects and resumes one "
+            "request per prompt, not a conversation's steps (docs/conversations.md, 'Not built yet'). Run it on one "
+            "box (expand-dataset) or set turns: last"
+        )
 
 
 # --- parent flow -------------------------------------------------------------------------------------
@@ -348,6 +359,7 @@ def expand_dataset_multibox(
     dry_run: bool = False,
 ) -> dict[str, Any]:
     """Spread a run's shards over several GPU boxes, then validate, tokenize and publish (never overwriting)."""
+    _refuse_every_turn(spec)
     logger = get_run_logger()
     quiet_per_shard_completions()  # no line per shard task run: the progress lines stay readable
     started = time.monotonic()

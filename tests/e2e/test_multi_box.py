@@ -172,6 +172,7 @@ def test_two_boxes_share_a_run_and_a_killed_box_loses_nothing(
             "sources": [{"path": str(prompts)}],
             "model_path": str(model_dir),
             "namespace": NAMESPACE,
+            "turns": "last",
             "shard_size": 4,
             "context_length": 4096,
             "sampling": {"max_new_tokens": 64},
@@ -260,3 +261,13 @@ def test_two_boxes_share_a_run_and_a_killed_box_loses_nothing(
         if claims[-1].box == "box-a" and any(c.box == "box-b" for c in claims):
             assert json.loads(store.get_bytes(sx.done_key(shard)))["box"] == "box-a"
     assert any(any(c.box == "box-b" for c in sx.claims(s)) and sx.done_marker(s)["box"] == "box-a" for s in orphaned)
+
+
+def test_a_multi_box_run_of_every_turn_is_refused_before_anything_starts() -> None:
+    """The shard exchange moves one request per prompt: every-turn steps are refused up front, with what to do."""
+    from flows.multi_box import expand_dataset_multibox, generate_on_box
+
+    spec = RunSpec(turns="every")
+    for flow in (expand_dataset_multibox, generate_on_box):
+        with pytest.raises(ValueError, match=r"turns: every is not built for multi-box runs yet.*set turns: last"):
+            flow.fn(spec)
