@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from datagen.chat import ChatTokenizer
+from datagen.cli import summary_text
 from datagen.layout import RunLayout
 from datagen.localstack import LocalS3
 from datagen.model_fixture import ensure_model_dir
@@ -148,6 +149,7 @@ def test_every_turn_run_publishes_rows_equal_to_the_template_of_its_conversation
     assert card["datagen"]["sizes"]["num_conversations"] == len(lines)
     assert card["datagen"]["sizes"]["num_turns"] == len(rows)
     assert summary["conversations"]["conversations_finished"] == 26 and summary["rows"] == len(rows)
+    assert f"rows ({len(rejects)} rejects) from 26 of 26 conversations ({len(steps)} steps)" in summary_text(summary)
 
 
 def test_every_turn_pilot_measures_conversations_and_the_main_run_reuses_their_steps(
