@@ -18,7 +18,8 @@ conversation `Ended`:
   tool turns and the generation prompt);
 - the model answered in words where the recorded step did: the next user turn opens, rendered fresh (the
   template drops the reasoning of turns before the last query, so no continuation exists across user turns);
-- otherwise the conversation ends with one of `OUTCOMES` on this step (what was generated is kept).
+- otherwise the conversation ends with one of `OUTCOMES` on this step (what was generated is kept), or with
+  `rejected_<reason>` when the step fails the run's per-sample check (`StepCheck`: a placeholder, a loop).
 
 `Regenerator.resume` rebuilds a step's request from the conversation's checkpoint lines, so a rerun decides what
 follows a conversation's last written step exactly as the run that wrote it would have.
@@ -26,7 +27,7 @@ follows a conversation's last written step exactly as the run that wrote it woul
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from typing import Any
@@ -35,6 +36,7 @@ from datagen.chat import TemplateError
 from datagen.conversation_export import assistant_turn
 from datagen.preparation import Preparer, Unsendable
 from datagen.records import Completion, Message, Prompt
+from datagen.segments import cut_outcome
 from datagen.toolcalls import answer_text, parse_tool_calls
 
 __all__ = [
@@ -51,6 +53,7 @@ __all__ = [
     "RecordedStep",
     "Regenerator",
     "Script",
+    "StepCheck",
     "StepRequest",
     "UserTurn",
     "is_query",
@@ -67,6 +70,7 @@ TOOL_CALL_MISSING = "tool_call_missing"  # the recorded step called functions, t
 UNEXPECTED_TOOL_CALL = "unexpected_tool_call"  # it called where the recorded step answered, or no results remain
 CONTEXT_EXCEEDED = "context_exceeded"  # the next request would not fit (prompt + max_new_tokens > context)
 RENDER_MISMATCH = "render_mismatch"  # the template's render of the longer history does not extend what was sent
+# Besides these, `rejected_<reason>`: the step failed a per-sample check (a placeholder, a loop; `StepCheck`).
 OUTCOMES = frozenset(
     {
         COMPLETE,
@@ -78,6 +82,9 @@ OUTCOMES = frozenset(
         RENDER_MISMATCH,
     }
 )
+
+# A per-sample check of a generated step (datagen.quality's, as validation runs it): (reason, detail) when it fails.
+StepCheck = Callable[[Completion], tuple[str, str] | None]
 
 STEP_KEY_SEPARATOR = ":step-"  # a step's request key: the conversation's request key + ":step-N"
 _TOOL_RESPONSE = ("<tool_response>", "</tool_response>")
@@ -206,9 +213,11 @@ def step_record(c: Completion, req: StepRequest, ended: Ended | None = None) -> 
 class Regenerator:
     """The every-turn state machine over the run's request preparation (template, thinking, prompt budget)."""
 
-    def __init__(self, preparer: Preparer) -> None:
+    def __init__(self, preparer: Preparer, check: StepCheck | None = None) -> None:
         self.preparer = preparer
         self.chat = preparer.chat
+        # Validation cuts a conversation at its first failing step anyway: generating past one is wasted.
+        self.check = check
 
     def first(self, script: Script) -> StepRequest:
         """Step 0: the head and user turn 0, rendered fresh; raises Unsendable (the conversation's reject)."""
@@ -226,6 +235,9 @@ class Regenerator:
         made = tuple(call.name for call in c.tool_calls or ())
         if c.finish_reason != "stop":
             return Ended(TRUNCATED, f"finish {c.finish_reason} after {len(c.output_ids)} tokens")
+        failed = self.check(c) if self.check is not None else None
+        if failed is not None:
+            return Ended(cut_outcome(failed[0]), failed[1])
         history = [*req.messages, assistant_turn(c, self.preparer.enable_thinking)]
         if made:
             if recorded is None or not recorded.calls:

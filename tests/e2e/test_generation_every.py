@@ -152,7 +152,7 @@ def check_conversations(
             assert ended == [] and rejected[prompt.prompt_id].request_key.endswith(f":step-{len(mine)}")
             outcomes[f"reject:{rejected[prompt.prompt_id].reason}"] += 1
         else:
-            assert len(ended) == 1 and mine[-1].outcome in OUTCOMES
+            assert len(ended) == 1 and (mine[-1].outcome in OUTCOMES or ended[0].startswith("rejected_"))
             outcomes[str(mine[-1].outcome)] += 1
         sent: list[int] = []
         for n, c in enumerate(mine):
@@ -172,7 +172,8 @@ def test_conversations_regenerate_turn_by_turn_into_exact_rows(
 ) -> None:
     layout = RunLayout(tmp_path / "run")
     prompts = write_conversations(layout, 0, 20)
-    with box(model_dir, STANDIN, STANDIN) as eps:
+    # One server: a step's output depends on its prompt alone, so which paths are taken is the same every run.
+    with box(model_dir, STANDIN) as eps:
         d = make_dispatcher(eps)
         try:
             assert unsettled_requests(0, layout, chat, SPEC) == 20

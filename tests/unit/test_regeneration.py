@@ -32,7 +32,9 @@ from datagen.regeneration import (
     StepRequest,
     step_record,
 )
+from datagen.runspec import RunSpec
 from datagen.toolcalls import answer_text, parse_tool_calls
+from tasks.generation_turns import step_check
 from tests.turn_fixtures import (
     WEATHER_TOOLS,
     Built,
@@ -55,7 +57,8 @@ def chat() -> ChatTokenizer:
 
 @pytest.fixture(scope="module")
 def regen(chat: ChatTokenizer) -> Regenerator:
-    return Regenerator(Preparer(chat, True, 8192))
+    """The engine's state machine with the run's per-step check (validation's per-sample checks)."""
+    return Regenerator(Preparer(chat, True, 8192), step_check(RunSpec(model_path="unused"), chat))
 
 
 def _recorded(built: Built) -> Prompt:
@@ -269,6 +272,20 @@ def test_each_way_a_conversation_ends_is_named_on_its_last_step(
     assert [c.outcome for c in lines] == [None] * (len(lines) - 1) + [outcome]
     assert detail in lines[-1].meta["outcome_detail"]
     assert [c.step for c in lines] == list(range(len(lines)))
+
+
+def test_a_step_failing_the_per_sample_checks_ends_the_conversation(chat: ChatTokenizer, regen: Regenerator) -> None:
+    """A placeholder where the recorded turn called a tool: `rejected_placeholder` on it, nothing generated after.
+
+    Validation would cut the conversation at that step anyway (tests/unit/test_turn_rows.py); the check comes
+    before the tool-call comparison, so the reason is the placeholder, not the missing call.
+    """
+    built = three_turn_tool_conversation(chat)
+    outputs = [*built.steps[:1], _completion(chat, Step("Ok.", "OK."))]
+    lines = _drive(regen, _recorded(built), outputs)
+    assert [c.outcome for c in lines] == [None, "rejected_placeholder"]
+    assert lines[0].to_json() == built.steps[0].to_json()
+    assert "reasoning and" in lines[1].meta["outcome_detail"] and lines[1].turn_index == 1
 
 
 def test_context_exceeded_is_decided_before_the_step_is_written(chat: ChatTokenizer) -> None:
