@@ -144,26 +144,29 @@ class Script:
           dropped) is answered like one that answered in words.
         """
         head: list[Message] = []
-        turns: list[tuple[list[Message], list[tuple[tuple[str, ...], list[Message]]]]] = []
+        openings: list[list[Message]] = []  # per user turn
+        recorded: list[list[tuple[tuple[str, ...], list[Message]]]] = []  # per user turn: (calls, results) per step
         for m in prompt.messages:
-            if is_query(m) and not (turns and not turns[-1][1]):
-                turns.append(([m], []))
-            elif not turns:
+            answered = bool(recorded and recorded[-1])  # the current user turn has a recorded step
+            if is_query(m) and (answered or not openings):
+                openings.append([m])
+                recorded.append([])
+            elif not openings:  # before the first query
                 if m.role in ("system", "user"):
                     head.append(m)
             elif m.role == "assistant":
-                turns[-1][1].append((_recorded_calls(m), []))
-            elif turns[-1][1]:
-                turns[-1][1][-1][1].append(m)
+                recorded[-1].append((_recorded_calls(m), []))
+            elif answered:
+                recorded[-1][-1][1].append(m)  # a result of the last recorded step
             else:
-                turns[-1][0].append(m)
-        if not turns:
+                openings[-1].append(m)  # a second query, or results text before any step: the turn's opening
+        if not openings:
             raise Unsendable("template_error", "the conversation has no user query to answer")
         return cls(
             head=tuple(head),
             turns=tuple(
-                UserTurn(tuple(opening), tuple(RecordedStep(calls, tuple(res)) for calls, res in steps))
-                for opening, steps in turns
+                UserTurn(tuple(opening), tuple(RecordedStep(calls, tuple(results)) for calls, results in steps))
+                for opening, steps in zip(openings, recorded, strict=True)
             ),
             tools=prompt.tools,
         )
@@ -272,7 +275,9 @@ class Regenerator:
         except TemplateError as exc:
             raise Unsendable("template_error", f"the chat template refused the continuation: {exc}") from exc
         if not text.startswith(sent):
-            at = next((i for i, (x, y) in enumerate(zip(sent, text, strict=False)) if x != y), len(text))
+            at = next(
+                (i for i, (x, y) in enumerate(zip(sent, text, strict=False)) if x != y), min(len(sent), len(text))
+            )
             return Ended(
                 RENDER_MISMATCH,
                 f"the template renders the history differently from what was sent and generated, from character "

@@ -46,13 +46,18 @@ from datagen.regeneration import (
 )
 from datagen.repetition import word_tokens
 from datagen.runspec import RunSpec
-from tasks.generation import GenerationIncomplete, ShardResult, completion_record, generation_reject, read_prompts
+from tasks.generation import (
+    SUBMIT_POLL_S,
+    GenerationIncomplete,
+    ShardResult,
+    completion_record,
+    generation_reject,
+    read_prompts,
+)
 
 __all__ = ["generate_conversations", "read_ledger", "step_check", "unsettled_conversations"]
 
 logger = logging.getLogger("datagen.generation")
-
-_SUBMIT_POLL_S = 0.25  # as in `last` mode: how long a submit waits for room before writing what finished
 
 
 @dataclass(slots=True)
@@ -250,7 +255,7 @@ class _ShardConversations:
                 order=(self.shard_id, conv.row),
             )
             try:
-                fut = dispatcher.submit(job, timeout=_SUBMIT_POLL_S)
+                fut = dispatcher.submit(job, timeout=SUBMIT_POLL_S)
             except SubmitTimeout:
                 if from_ready:
                     self.ready.appendleft(item)
