@@ -320,3 +320,23 @@ def test_tool_response_text_results_continue_token_exact(chat: ChatTokenizer, re
     sent = chat.encode(chat.render(lines[0].messages, True, WEATHER_TOOLS)) + lines[0].output_ids + lines[1].bridge_ids
     assert sent == chat.encode(chat.render(lines[1].messages, True, WEATHER_TOOLS))
     assert len(sent) == lines[1].prompt_tokens
+
+
+def test_thinking_off_continues_token_exact(chat: ChatTokenizer) -> None:
+    """Thinking off: the generation prompt holds the empty think block, the output is the answer alone."""
+    regen = Regenerator(Preparer(chat, False, 8192))
+    call = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+    outputs = []
+    for text in (call, "Rain in Paris tomorrow."):
+        ids = [*chat.encode(text), IM_END_ID]
+        calls = parse_tool_calls(text, WEATHER_TOOLS) or None
+        outputs.append(
+            Completion("p", "s", 0, [], "k", 0, ids, text, "stop", len(ids), tools=WEATHER_TOOLS, tool_calls=calls)
+        )
+    lines = _drive(regen, _tool_turn_prompt(CALLED), outputs)
+    assert [c.outcome for c in lines] == [None, COMPLETE] and lines[1].bridge_ids
+    sent = chat.encode(chat.render(lines[0].messages, False, WEATHER_TOOLS)) + lines[0].output_ids + lines[1].bridge_ids
+    assert (
+        sent == chat.encode(chat.render(lines[1].messages, False, WEATHER_TOOLS))
+        and len(sent) == lines[1].prompt_tokens
+    )
