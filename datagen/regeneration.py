@@ -18,7 +18,8 @@ conversation `Ended`:
   tool turns and the generation prompt);
 - the model answered in words where the recorded step did: the next user turn opens, rendered fresh (the
   template drops the reasoning of turns before the last query, so no continuation exists across user turns);
-- otherwise the conversation ends with one of `OUTCOMES` on this step (what was generated is kept).
+- otherwise the conversation ends with one of `OUTCOMES` on this step (what was generated is kept), or with
+  `rejected_<reason>` when the step fails the run's per-sample check (`StepCheck`: a placeholder, a loop).
 
 `Regenerator.resume` rebuilds a step's request from the conversation's checkpoint lines, so a rerun decides what
 follows a conversation's last written step exactly as the run that wrote it would have.
@@ -26,7 +27,7 @@ follows a conversation's last written step exactly as the run that wrote it woul
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from typing import Any
@@ -35,6 +36,7 @@ from datagen.chat import TemplateError
 from datagen.conversation_export import assistant_turn
 from datagen.preparation import Preparer, Unsendable
 from datagen.records import Completion, Message, Prompt
+from datagen.segments import cut_outcome
 from datagen.toolcalls import answer_text, parse_tool_calls
 
 __all__ = [
@@ -51,6 +53,7 @@ __all__ = [
     "RecordedStep",
     "Regenerator",
     "Script",
+    "StepCheck",
     "StepRequest",
     "UserTurn",
     "is_query",
@@ -67,6 +70,7 @@ TOOL_CALL_MISSING = "tool_call_missing"  # the recorded step called functions, t
 UNEXPECTED_TOOL_CALL = "unexpected_tool_call"  # it called where the recorded step answered, or no results remain
 CONTEXT_EXCEEDED = "context_exceeded"  # the next request would not fit (prompt + max_new_tokens > context)
 RENDER_MISMATCH = "render_mismatch"  # the template's render of the longer history does not extend what was sent
+# Besides these, `rejected_<reason>`: the step failed a per-sample check (a placeholder, a loop; `StepCheck`).
 OUTCOMES = frozenset(
     {
         COMPLETE,
@@ -78,6 +82,9 @@ OUTCOMES = frozenset(
         RENDER_MISMATCH,
     }
 )
+
+# A per-sample check of a generated step (datagen.quality's, as validation runs it): (reason, detail) when it fails.
+StepCheck = Callable[[Completion], tuple[str, str] | None]
 
 STEP_KEY_SEPARATOR = ":step-"  # a step's request key: the conversation's request key + ":step-N"
 _TOOL_RESPONSE = ("<tool_response>", "</tool_response>")
@@ -137,26 +144,29 @@ class Script:
           dropped) is answered like one that answered in words.
         """
         head: list[Message] = []
-        turns: list[tuple[list[Message], list[tuple[tuple[str, ...], list[Message]]]]] = []
+        openings: list[list[Message]] = []  # per user turn
+        recorded: list[list[tuple[tuple[str, ...], list[Message]]]] = []  # per user turn: (calls, results) per step
         for m in prompt.messages:
-            if is_query(m) and not (turns and not turns[-1][1]):
-                turns.append(([m], []))
-            elif not turns:
+            answered = bool(recorded and recorded[-1])  # the current user turn has a recorded step
+            if is_query(m) and (answered or not openings):
+                openings.append([m])
+                recorded.append([])
+            elif not openings:  # before the first query
                 if m.role in ("system", "user"):
                     head.append(m)
             elif m.role == "assistant":
-                turns[-1][1].append((_recorded_calls(m), []))
-            elif turns[-1][1]:
-                turns[-1][1][-1][1].append(m)
+                recorded[-1].append((_recorded_calls(m), []))
+            elif answered:
+                recorded[-1][-1][1].append(m)  # a result of the last recorded step
             else:
-                turns[-1][0].append(m)
-        if not turns:
+                openings[-1].append(m)  # a second query, or results text before any step: the turn's opening
+        if not openings:
             raise Unsendable("template_error", "the conversation has no user query to answer")
         return cls(
             head=tuple(head),
             turns=tuple(
-                UserTurn(tuple(opening), tuple(RecordedStep(calls, tuple(res)) for calls, res in steps))
-                for opening, steps in turns
+                UserTurn(tuple(opening), tuple(RecordedStep(calls, tuple(results)) for calls, results in steps))
+                for opening, steps in zip(openings, recorded, strict=True)
             ),
             tools=prompt.tools,
         )
@@ -206,9 +216,11 @@ def step_record(c: Completion, req: StepRequest, ended: Ended | None = None) -> 
 class Regenerator:
     """The every-turn state machine over the run's request preparation (template, thinking, prompt budget)."""
 
-    def __init__(self, preparer: Preparer) -> None:
+    def __init__(self, preparer: Preparer, check: StepCheck | None = None) -> None:
         self.preparer = preparer
         self.chat = preparer.chat
+        # Validation cuts a conversation at its first failing step anyway: generating past one is wasted.
+        self.check = check
 
     def first(self, script: Script) -> StepRequest:
         """Step 0: the head and user turn 0, rendered fresh; raises Unsendable (the conversation's reject)."""
@@ -226,6 +238,9 @@ class Regenerator:
         made = tuple(call.name for call in c.tool_calls or ())
         if c.finish_reason != "stop":
             return Ended(TRUNCATED, f"finish {c.finish_reason} after {len(c.output_ids)} tokens")
+        failed = self.check(c) if self.check is not None else None
+        if failed is not None:
+            return Ended(cut_outcome(failed[0]), failed[1])
         history = [*req.messages, assistant_turn(c, self.preparer.enable_thinking)]
         if made:
             if recorded is None or not recorded.calls:
@@ -260,7 +275,9 @@ class Regenerator:
         except TemplateError as exc:
             raise Unsendable("template_error", f"the chat template refused the continuation: {exc}") from exc
         if not text.startswith(sent):
-            at = next((i for i, (x, y) in enumerate(zip(sent, text, strict=False)) if x != y), len(text))
+            at = next(
+                (i for i, (x, y) in enumerate(zip(sent, text, strict=False)) if x != y), min(len(sent), len(text))
+            )
             return Ended(
                 RENDER_MISMATCH,
                 f"the template renders the history differently from what was sent and generated, from character "

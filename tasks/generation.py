@@ -47,7 +47,7 @@ __all__ = [
 logger = logging.getLogger("datagen.generation")
 
 # How long a shard worker waits for room in the dispatcher's queue before it writes what has finished meanwhile.
-_SUBMIT_POLL_S = 0.25
+SUBMIT_POLL_S = 0.25
 
 
 class GenerationIncomplete(RuntimeError):
@@ -258,7 +258,7 @@ def generate_shard(
         assert dispatcher is not None  # only unsettled requests are sent, and those need servers (checked above)
         while True:
             try:
-                return dispatcher.submit(job, timeout=_SUBMIT_POLL_S)
+                return dispatcher.submit(job, timeout=SUBMIT_POLL_S)
             except SubmitTimeout:
                 harvest(0)
 

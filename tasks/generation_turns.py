@@ -10,6 +10,8 @@ The checkpoint is the same exactly-once ledger as in `last` mode (datagen.checkp
 reads it, takes every conversation whose last line carries an `outcome` or that has a reject line as settled,
 and restarts every other one at its first unwritten step, its history and prompt ids rebuilt from its lines
 (`Regenerator.resume`). A line is written before its successor is requested, so every step is generated once.
+A step that fails validation's per-sample checks ends its conversation (`rejected_<reason>`): validation would cut
+the conversation there anyway, so nothing after it is generated.
 """
 
 from __future__ import annotations
@@ -30,16 +32,32 @@ from datagen.faults import kill_point
 from datagen.identity import RequestKeys, preparer_for
 from datagen.layout import RunLayout
 from datagen.preparation import Unsendable
+from datagen.quality import check_completion
 from datagen.records import Completion, Prompt
-from datagen.regeneration import Ended, Regenerator, Script, StepRequest, split_step_key, step_key, step_record
+from datagen.regeneration import (
+    Ended,
+    Regenerator,
+    Script,
+    StepCheck,
+    StepRequest,
+    split_step_key,
+    step_key,
+    step_record,
+)
+from datagen.repetition import word_tokens
 from datagen.runspec import RunSpec
-from tasks.generation import GenerationIncomplete, ShardResult, completion_record, generation_reject, read_prompts
+from tasks.generation import (
+    SUBMIT_POLL_S,
+    GenerationIncomplete,
+    ShardResult,
+    completion_record,
+    generation_reject,
+    read_prompts,
+)
 
-__all__ = ["generate_conversations", "read_ledger", "unsettled_conversations"]
+__all__ = ["generate_conversations", "read_ledger", "step_check", "unsettled_conversations"]
 
 logger = logging.getLogger("datagen.generation")
-
-_SUBMIT_POLL_S = 0.25  # as in `last` mode: how long a submit waits for room before writing what finished
 
 
 @dataclass(slots=True)
@@ -117,6 +135,17 @@ def unsettled_conversations(shard_id: int, layout: RunLayout, chat: ChatTokenize
     return sum(1 for key in keys if key not in ledgers or not ledgers[key].settled)
 
 
+def step_check(spec: RunSpec, chat: ChatTokenizer) -> StepCheck:
+    """Validation's per-sample checks of one step, as the validation stage runs them (its word table included)."""
+    words = word_tokens(chat)
+
+    def check(c: Completion) -> tuple[str, str] | None:
+        verdict = check_completion(c, spec.validation, spec.sampling.enable_thinking, words)
+        return None if verdict.reason is None else (verdict.reason, verdict.detail)
+
+    return check
+
+
 def _line_at(path: Path, offset: int, length: int) -> Completion:
     with open(path, "rb") as f:
         f.seek(offset)
@@ -146,7 +175,7 @@ class _ShardConversations:
         self.completions_path, self.rejects_path = layout.shard_completions(shard_id), layout.shard_rejects(shard_id)
         self.prompts_path = layout.shard_prompts(shard_id)
         self.dispatcher = dispatcher
-        self.regen = Regenerator(preparer_for(spec, chat))
+        self.regen = Regenerator(preparer_for(spec, chat), step_check(spec, chat))
         self.sampling = sampling_params_for(spec.sampling)
         self.flush_interval_s = flush_interval_s
         self.key_of = RequestKeys(spec.sampling, chat)
@@ -226,7 +255,7 @@ class _ShardConversations:
                 order=(self.shard_id, conv.row),
             )
             try:
-                fut = dispatcher.submit(job, timeout=_SUBMIT_POLL_S)
+                fut = dispatcher.submit(job, timeout=SUBMIT_POLL_S)
             except SubmitTimeout:
                 if from_ready:
                     self.ready.appendleft(item)

@@ -32,7 +32,9 @@ from datagen.regeneration import (
     StepRequest,
     step_record,
 )
+from datagen.runspec import RunSpec
 from datagen.toolcalls import answer_text, parse_tool_calls
+from tasks.generation_turns import step_check
 from tests.turn_fixtures import (
     WEATHER_TOOLS,
     Built,
@@ -55,7 +57,8 @@ def chat() -> ChatTokenizer:
 
 @pytest.fixture(scope="module")
 def regen(chat: ChatTokenizer) -> Regenerator:
-    return Regenerator(Preparer(chat, True, 8192))
+    """The engine's state machine with the run's per-step check (validation's per-sample checks)."""
+    return Regenerator(Preparer(chat, True, 8192), step_check(RunSpec(model_path="unused"), chat))
 
 
 def _recorded(built: Built) -> Prompt:
@@ -271,6 +274,20 @@ def test_each_way_a_conversation_ends_is_named_on_its_last_step(
     assert [c.step for c in lines] == list(range(len(lines)))
 
 
+def test_a_step_failing_the_per_sample_checks_ends_the_conversation(chat: ChatTokenizer, regen: Regenerator) -> None:
+    """A placeholder where the recorded turn called a tool: `rejected_placeholder` on it, nothing generated after.
+
+    Validation would cut the conversation at that step anyway (tests/unit/test_turn_rows.py); the check comes
+    before the tool-call comparison, so the reason is the placeholder, not the missing call.
+    """
+    built = three_turn_tool_conversation(chat)
+    outputs = [*built.steps[:1], _completion(chat, Step("Ok.", "OK."))]
+    lines = _drive(regen, _recorded(built), outputs)
+    assert [c.outcome for c in lines] == [None, "rejected_placeholder"]
+    assert lines[0].to_json() == built.steps[0].to_json()
+    assert "reasoning and" in lines[1].meta["outcome_detail"] and lines[1].turn_index == 1
+
+
 def test_context_exceeded_is_decided_before_the_step_is_written(chat: ChatTokenizer) -> None:
     """The next request would not fit: the step that was generated carries `context_exceeded` (both ways on)."""
     prompt = _tool_turn_prompt(CALLED, "Now write me a long packing list. " * 40)
@@ -303,3 +320,23 @@ def test_tool_response_text_results_continue_token_exact(chat: ChatTokenizer, re
     sent = chat.encode(chat.render(lines[0].messages, True, WEATHER_TOOLS)) + lines[0].output_ids + lines[1].bridge_ids
     assert sent == chat.encode(chat.render(lines[1].messages, True, WEATHER_TOOLS))
     assert len(sent) == lines[1].prompt_tokens
+
+
+def test_thinking_off_continues_token_exact(chat: ChatTokenizer) -> None:
+    """Thinking off: the generation prompt holds the empty think block, the output is the answer alone."""
+    regen = Regenerator(Preparer(chat, False, 8192))
+    call = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+    outputs = []
+    for text in (call, "Rain in Paris tomorrow."):
+        ids = [*chat.encode(text), IM_END_ID]
+        calls = parse_tool_calls(text, WEATHER_TOOLS) or None
+        outputs.append(
+            Completion("p", "s", 0, [], "k", 0, ids, text, "stop", len(ids), tools=WEATHER_TOOLS, tool_calls=calls)
+        )
+    lines = _drive(regen, _tool_turn_prompt(CALLED), outputs)
+    assert [c.outcome for c in lines] == [None, COMPLETE] and lines[1].bridge_ids
+    sent = chat.encode(chat.render(lines[0].messages, False, WEATHER_TOOLS)) + lines[0].output_ids + lines[1].bridge_ids
+    assert (
+        sent == chat.encode(chat.render(lines[1].messages, False, WEATHER_TOOLS))
+        and len(sent) == lines[1].prompt_tokens
+    )

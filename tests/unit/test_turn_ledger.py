@@ -3,13 +3,24 @@ which checkpoints this shard cannot have written."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from datagen.chat import ChatTokenizer
 from datagen.checkpoint import CheckpointError
+from datagen.endpoints import ServerEndpoint
+from datagen.engine.dispatcher import Dispatcher
+from datagen.identity import RequestKeys
+from datagen.layout import RunLayout
+from datagen.model_fixture import ensure_model_dir
 from datagen.records import Completion, Reject
+from datagen.runspec import RunSpec
+from tasks.generation import generate_shard, unsettled_requests
 from tasks.generation_turns import read_ledger
+from tests.turn_fixtures import three_turn_tool_conversation
+from tests.unit.test_regeneration import _recorded
 
 KEYS = {"ka", "kb", "kc", "kd"}
 
@@ -69,3 +80,34 @@ def test_a_checkpoint_this_shard_did_not_write_is_refused(
     comp, rej = _files(tmp_path, completions, rejects)
     with pytest.raises(CheckpointError, match=message):
         read_ledger(comp, rej, KEYS)
+
+
+def test_a_conversation_that_can_no_longer_continue_is_settled_by_a_reject_on_resume(tmp_path: Path) -> None:
+    """A rerun under a smaller prompt budget: the written steps stay, the next one is a `context_exceeded` reject.
+
+    Resuming rebuilds the last step's request from its lines (its ids must add up to what was sent), then decides
+    what follows exactly as the live run does; nothing is sent.
+    """
+    chat = ChatTokenizer.from_model_dir(ensure_model_dir())
+    built = three_turn_tool_conversation(chat)
+    prompt = _recorded(built)
+    layout = RunLayout(tmp_path)
+    layout.shards_dir.mkdir(parents=True)
+    layout.shard_prompts(0).write_text(prompt.to_json() + "\n")
+    # Step 1 opens user turn 1 (a fresh render); step 2 would continue it after the tool result.
+    first_of_turn = built.steps[1].prompt_tokens
+    spec = RunSpec(model_path="unused", max_prompt_tokens=first_of_turn + 5, turns="every")
+    key = RequestKeys(spec.sampling, chat)(prompt.prompt_id)
+    lines = [replace(c, request_key=f"{key}:step-{c.step}") for c in built.steps[:2]]
+    layout.shard_completions(0).write_text("".join(c.to_json() + "\n" for c in lines))
+    assert unsettled_requests(0, layout, chat, spec) == 1
+    dispatcher = Dispatcher([ServerEndpoint("nowhere", "http://127.0.0.1:9")], probe_interval_s=60)
+    try:
+        result = generate_shard(0, layout, dispatcher, chat, spec)
+    finally:
+        dispatcher.close()
+    assert (result.n_prompts, result.n_completed, result.n_rejected, result.n_sent) == (1, 2, 1, 0)
+    (reject,) = [Reject.from_json(line) for line in layout.shard_rejects(0).read_text().splitlines()]
+    assert (reject.reason, reject.request_key) == ("context_exceeded", f"{key}:step-2")
+    assert "decided when resuming" in reject.detail
+    assert unsettled_requests(0, layout, chat, spec) == 0
