@@ -33,7 +33,6 @@ __all__ = [
     "IdentityError",
     "PromptIdentity",
     "RequestKeys",
-    "first_request",
     "generation_cache_key",
     "preparer_for",
     "prompt_id_from_ids",
@@ -81,11 +80,11 @@ class PromptIdentity:
     template_error, prompt_too_long, invalid_unicode, prompt_decode_mismatch), and the ids it made are reused.
 
     Every turn (`first_request` set): the id is still the hash of the whole recorded prompt's render (one
-    conversation, one id, the same in both modes), but what must fit the prompt budget is the first request, the
-    messages through the first user turn: later requests hold the regenerated answers, not the recorded ones, and
-    one that outgrows the context ends its conversation in generation (`context_exceeded`), after the earlier turns
-    made rows. The whole render is then bounded by the model's context length instead (`preparer`'s limit), which
-    keeps the work per row bounded.
+    conversation, one id, the same in both modes), but what must fit the prompt budget is the first request (the
+    system messages and the first user turn, as generation sends it): later requests hold the regenerated answers,
+    not the recorded ones, and one that outgrows the budget ends its conversation in generation
+    (`context_exceeded`) after the earlier turns made rows. The whole render is then bounded by the model's context
+    length instead (`preparer`'s limit), which keeps the work per row bounded.
     """
 
     scheme = "rendered_token_ids"
@@ -125,7 +124,7 @@ class PromptIdentity:
     def identify(self, source: str, messages: list[Message], tools: Tools = None) -> tuple[str, PromptView]:
         """(prompt id, the prompt as the model sees it: ids, normalized messages); raises Unsendable."""
         if self.first_request is not None:
-            first = first_request(messages)
+            first = _first_request(messages)
             if len(first) == len(messages):  # one user turn: the first request is the prompt, rendered once
                 view = self.first_request.view(messages, tools)
                 return prompt_id_from_ids(source, view.ids), view
@@ -143,7 +142,7 @@ class PromptIdentity:
         return self(source, messages, tools)[0]
 
 
-def first_request(messages: list[Message]) -> list[Message]:
+def _first_request(messages: list[Message]) -> list[Message]:
     """Every turn's first request (`datagen.regeneration.Regenerator.first`): the conversation's head and its first
     user turn; raises Unsendable when it has no user query."""
     script = Script.of(Prompt(prompt_id="", source="", row=0, messages=messages))
