@@ -19,6 +19,7 @@ from typing import Any
 from datagen.chat import IM_END_ID, ChatTokenizer
 from datagen.conversation_export import assistant_turn
 from datagen.records import Completion, Message, TokenRow
+from datagen.regeneration import is_query
 from datagen.runspec import SamplingSpec, ValidationSpec
 from datagen.toolcalls import parse_tool_calls
 from tasks.tokenization import TokenizationSummary, tokenize_accepted
@@ -258,6 +259,11 @@ def check_segment_rows(chat: ChatTokenizer, rows: list[TokenRow], built: Built) 
         assert row.conversation_id == built.steps[0].prompt_id
 
 
+def _is_query(m: dict[str, Any]) -> bool:
+    """A user message the template counts as a query (not `<tool_response>` text): where a segment starts."""
+    return is_query(Message.from_dict(m))
+
+
 def published_segment(
     line: dict[str, Any], turn_index: int
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
@@ -267,7 +273,7 @@ def published_segment(
     messages: list[dict[str, Any]] = []
     users = 0
     for m in line["conversations"]:
-        if m["role"] == "user":
+        if _is_query(m):
             if users == turn_index + 1:
                 break
             users += 1
@@ -290,7 +296,7 @@ def check_published_rows(chat: ChatTokenizer, line: dict[str, Any], rows: list[d
     (tools included) except the closing `"\n"`, and its loss mask is 1 exactly on the segment's assistant turns:
     from the end of the generation prompt the template writes before each to its `<|im_end|>`.
     """
-    n_users = sum(m["role"] == "user" for m in line["conversations"])
+    n_users = sum(_is_query(m) for m in line["conversations"])
     assert [r["turn_index"] for r in rows] == list(range(n_users)), f"{line['id']}: not one row per user turn"
     newline = chat.encode("\n")
     for row in rows:
@@ -298,7 +304,7 @@ def check_published_rows(chat: ChatTokenizer, line: dict[str, Any], rows: list[d
         messages, tools = published_segment(line, k)
         expected = template_ids(chat, messages, tools)
         assert expected[-1:] == newline and row["input_ids"] == expected[:-1], f"{line['id']} segment {k}"
-        query = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        query = max(i for i, m in enumerate(messages) if _is_query(m))
         mask = [0] * len(row["input_ids"])
         spans = 0
         for j in range(query + 1, len(messages)):
