@@ -317,7 +317,8 @@ def run_once(
     """
     layout = RunLayout(work_dir / tag)
     n_written = _write_shards(layout, prompts, shards, per_shard)
-    spec = RunSpec(model_path=str(chat.model_dir), sampling=SamplingSpec(max_new_tokens=max_new_tokens))
+    # One request per prompt, as the figures in benchmarks/README.md were measured.
+    spec = RunSpec(model_path=str(chat.model_dir), sampling=SamplingSpec(max_new_tokens=max_new_tokens), turns="last")
     pids = [_standin_pid(int(ep.url.rsplit(":", 1)[1])) for ep in endpoints]
     with contextlib.ExitStack() as stack:
         dispatcher = stack.enter_context(Dispatcher(endpoints, log_interval_s=15.0, stall_timeout_s=300.0))

@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from datagen.chat import ChatTokenizer, Tools
-from datagen.preparation import Preparer
+from datagen.preparation import Preparer, Unsendable
 from datagen.prompt_view import PromptView
-from datagen.records import Message
+from datagen.records import Message, Prompt
+from datagen.regeneration import Script
 from datagen.runspec import RunSpec, SamplingSpec
 
 __all__ = [
@@ -77,12 +78,20 @@ class PromptIdentity:
     to the same ids, so they are one prompt; so do rows that differ only in what the tokenizer normalizes (NFC),
     whose messages are kept normalized. Rendering for the id also finds what could never be sent (`Unsendable`:
     template_error, prompt_too_long, invalid_unicode, prompt_decode_mismatch), and the ids it made are reused.
+
+    Every turn (`first_request` set): the id is still the hash of the whole recorded prompt's render (one
+    conversation, one id, the same in both modes), but what must fit the prompt budget is the first request (the
+    system messages and the first user turn, as generation sends it): later requests hold the regenerated answers,
+    not the recorded ones, and one that outgrows the budget ends its conversation in generation
+    (`context_exceeded`) after the earlier turns made rows. The whole render is then bounded by the model's context
+    length instead (`preparer`'s limit), which keeps the work per row bounded.
     """
 
     scheme = "rendered_token_ids"
 
-    def __init__(self, preparer: Preparer) -> None:
+    def __init__(self, preparer: Preparer, first_request: Preparer | None = None) -> None:
         self.preparer = preparer
+        self.first_request = first_request
 
     @classmethod
     def for_spec(cls, spec: RunSpec) -> PromptIdentity:
@@ -95,7 +104,17 @@ class PromptIdentity:
                 "from another scheme: published catalogs and checkpoints hold these ids"
             )
         # The flow's own instance (ChatTokenizer.shared): one tokenizer load per process.
-        return cls(preparer_for(spec, ChatTokenizer.shared(path)))
+        chat = ChatTokenizer.shared(path)
+        prepare = preparer_for(spec, chat)
+        if spec.turns == "last":
+            return cls(prepare)
+        whole = Preparer(
+            chat,
+            spec.sampling.enable_thinking,
+            spec.context_length,
+            f"(turns: every; the conversation as recorded must fit the model's context_length {spec.context_length})",
+        )
+        return cls(whole, first_request=prepare)
 
     def __call__(self, source: str, messages: list[Message], tools: Tools = None) -> tuple[str, array[int]]:
         """(prompt id, rendered token ids) of `messages` (and `tools`) from `source`; raises Unsendable."""
@@ -104,12 +123,30 @@ class PromptIdentity:
 
     def identify(self, source: str, messages: list[Message], tools: Tools = None) -> tuple[str, PromptView]:
         """(prompt id, the prompt as the model sees it: ids, normalized messages); raises Unsendable."""
+        if self.first_request is not None:
+            first = _first_request(messages)
+            if len(first) == len(messages):  # one user turn: the first request is the prompt, rendered once
+                view = self.first_request.view(messages, tools)
+                return prompt_id_from_ids(source, view.ids), view
+            try:
+                self.first_request.view(first, tools)
+            except Unsendable as err:
+                raise Unsendable(
+                    err.reason, f"first request (messages through the first user turn): {err.detail}"
+                ) from err
         view = self.preparer.view(messages, tools)
         return prompt_id_from_ids(source, view.ids), view
 
     def prompt_id(self, source: str, messages: list[Message], tools: Tools = None) -> str:
         """The prompt id alone; raises Unsendable."""
         return self(source, messages, tools)[0]
+
+
+def _first_request(messages: list[Message]) -> list[Message]:
+    """Every turn's first request (`datagen.regeneration.Regenerator.first`): the conversation's head and its first
+    user turn; raises Unsendable when it has no user query."""
+    script = Script.of(Prompt(prompt_id="", source="", row=0, messages=messages))
+    return [*script.head, *script.turns[0].opening]
 
 
 def preparer_for(spec: RunSpec, chat: ChatTokenizer) -> Preparer:
@@ -143,9 +180,19 @@ class RequestKeys:
 
 
 def generation_cache_key(
-    namespace: str, plan_sha256: str, sampling: SamplingSpec, model_fingerprint: str, shard_id: int
+    namespace: str,
+    plan_sha256: str,
+    sampling: SamplingSpec,
+    model_fingerprint: str,
+    shard_id: int,
+    turns: str = "last",
 ) -> str:
-    """Prefect cache key of a shard's generation task: survives new flow runs (unlike Prefect's default policy)."""
+    """Prefect cache key of a shard's generation task: survives new flow runs (unlike Prefect's default policy).
+
+    `turns: every` shards hold other lines (steps) than `last` ones of the same plan: their key says so (a `last`
+    key is what it always was).
+    """
     request_params = json.dumps({"sampling": sampling.model_dump(), "fingerprint": model_fingerprint}, sort_keys=True)
     digest = hashlib.sha256(request_params.encode()).hexdigest()[:16]
-    return f"generate-{namespace}-{plan_sha256[:16]}-{digest}-shard-{shard_id:05d}"
+    mode = "" if turns == "last" else f"-turns-{turns}"
+    return f"generate-{namespace}-{plan_sha256[:16]}-{digest}{mode}-shard-{shard_id:05d}"

@@ -269,11 +269,12 @@ class RunSpec(BaseModel):
         ),
     )
     turns: Literal["every", "last"] = Field(
-        "last",
+        "every",
         description=(
             "Which assistant turns the target writes: 'every' regenerates each assistant turn of a conversation in "
-            "order against its own earlier answers (recorded tool results spliced in; docs/conversations.md), "
-            "'last' only the final one after the row's own history."
+            "order against its own earlier answers (recorded tool results spliced in), one training row per user "
+            "turn: on-policy history, the data a draft model learns from (docs/conversations.md); 'last' only the "
+            "final one after the row's own history, one row per prompt. Multi-box runs: 'last' only."
         ),
     )
     order: Literal["source", "long_first"] = Field(

@@ -79,6 +79,7 @@ def _generation_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -
         spec.sampling,
         parameters["model_fingerprint"],
         parameters["shard_id"],
+        spec.turns,
     )
 
 

@@ -37,7 +37,9 @@ __all__ = [
     "CheckpointError",
     "GenerationIncomplete",
     "ShardResult",
+    "completion_record",
     "generate_shard",
+    "generation_reject",
     "read_prompts",
     "unsettled_requests",
 ]
@@ -45,7 +47,7 @@ __all__ = [
 logger = logging.getLogger("datagen.generation")
 
 # How long a shard worker waits for room in the dispatcher's queue before it writes what has finished meanwhile.
-_SUBMIT_POLL_S = 0.25
+SUBMIT_POLL_S = 0.25
 
 
 class GenerationIncomplete(RuntimeError):
@@ -63,7 +65,7 @@ class ShardResult(BaseModel):
     shard_id: int
     completions_path: str
     rejects_path: str
-    n_prompts: int = Field(description="Distinct requests in the shard.")
+    n_prompts: int = Field(description="Distinct requests in the shard (conversations in `turns: every` mode).")
     n_completed: int
     n_rejected: int
     n_sent: int = Field(description="Requests sent by this call (0 when the checkpoint already settled all).")
@@ -84,7 +86,8 @@ def read_prompts(path: Path) -> Iterator[Prompt]:
                     raise CheckpointError(f"{path}: line {n} is not a Prompt: {exc}") from exc
 
 
-def _reject(prompt: Prompt, key: str, reason: str, detail: str) -> Reject:
+def generation_reject(prompt: Prompt, key: str, reason: str, detail: str) -> Reject:
+    """The generation stage's reject row of one request of `prompt`."""
     return Reject(
         stage="generate",
         reason=reason,
@@ -97,7 +100,10 @@ def _reject(prompt: Prompt, key: str, reason: str, detail: str) -> Reject:
     )
 
 
-def _completion(prompt: Prompt, key: str, sent_tokens: int, result: GenerateResult, plan_index: int) -> Completion:
+def completion_record(
+    prompt: Prompt, key: str, sent_tokens: int, result: GenerateResult, plan_index: int
+) -> Completion:
+    """The checkpoint line of one finished request of `prompt`, exactly as the server returned it."""
     # plan_index: the prompt's line in its shard, so validation can follow plan order, not finish order.
     meta: dict[str, Any] = {
         "rid": result.rid,
@@ -137,7 +143,14 @@ def _tool_calls(prompt: Prompt, text: str) -> list[ToolCall] | None:
 
 
 def unsettled_requests(shard_id: int, layout: RunLayout, chat: ChatTokenizer, spec: RunSpec) -> int:
-    """Requests of the shard its checkpoint has no result for: 0 means the shard needs no server."""
+    """Requests of the shard its checkpoint has no result for: 0 means the shard needs no server.
+
+    In `turns: every` mode: the conversations it has not settled (their further steps are not known yet).
+    """
+    if spec.turns == "every":
+        from tasks.generation_turns import unsettled_conversations  # it builds on this module
+
+        return unsettled_conversations(shard_id, layout, chat, spec)
     key_of = RequestKeys(spec.sampling, chat)
     keys = {key_of(p.prompt_id) for p in read_prompts(layout.shard_prompts(shard_id))}
     settled = settled_keys(layout.shard_completions(shard_id), "completion") | settled_keys(
@@ -157,7 +170,12 @@ def generate_shard(
     """Generate every request of one shard not yet in its checkpoint; return counts and the checksum.
 
     `dispatcher` may be None when the caller knows (`unsettled_requests`) that the checkpoint settles them all.
+    In `turns: every` mode each prompt is a conversation generated step by step (tasks/generation_turns.py).
     """
+    if spec.turns == "every":
+        from tasks.generation_turns import generate_conversations  # it builds on this module
+
+        return generate_conversations(shard_id, layout, dispatcher, chat, spec, flush_interval_s)
     prompts_path = layout.shard_prompts(shard_id)
     completions_path, rejects_path = layout.shard_completions(shard_id), layout.shard_rejects(shard_id)
     key_of = RequestKeys(spec.sampling, chat)
@@ -218,13 +236,15 @@ def generate_shard(
             try:
                 result = fut.result()
             except RequestRejected as exc:
-                rejects.write(_reject(prompt, key, "server_rejected", f"{exc.server}: {exc.message}").to_json())
+                rejects.write(
+                    generation_reject(prompt, key, "server_rejected", f"{exc.server}: {exc.message}").to_json()
+                )
             except ProtocolError as exc:
-                rejects.write(_reject(prompt, key, "protocol_error", str(exc)).to_json())
+                rejects.write(generation_reject(prompt, key, "protocol_error", str(exc)).to_json())
             except Exception as exc:  # not about this prompt: left unsettled so a shard retry resends it
                 failures.append(exc)
             else:
-                completions.write(_completion(prompt, key, sent, result, plan_index).to_json())
+                completions.write(completion_record(prompt, key, sent, result, plan_index).to_json())
         completions.sync_if_due()
         rejects.sync_if_due()
 
@@ -238,7 +258,7 @@ def generate_shard(
         assert dispatcher is not None  # only unsettled requests are sent, and those need servers (checked above)
         while True:
             try:
-                return dispatcher.submit(job, timeout=_SUBMIT_POLL_S)
+                return dispatcher.submit(job, timeout=SUBMIT_POLL_S)
             except SubmitTimeout:
                 harvest(0)
 
@@ -257,7 +277,7 @@ def generate_shard(
                         else prepare(prompt.messages, prompt.tools)
                     )
             except Unsendable as exc:
-                rejects.write(_reject(prompt, key, exc.reason, exc.detail).to_json())
+                rejects.write(generation_reject(prompt, key, exc.reason, exc.detail).to_json())
                 settled_unsent()
                 continue
             job = GenerateJob(ids, sampling, label=prompt.prompt_id, order=(shard_id, row))  # the plan's order

@@ -39,6 +39,7 @@ from datagen.identity import PromptIdentity, RequestKeys
 from datagen.layout import RunLayout
 from datagen.prompts import iter_prompts
 from datagen.quality import ValidationSummary
+from datagen.regeneration import split_step_key
 from datagen.runspec import RunSpec
 from tasks import pilot_turns
 from tasks.generation import read_prompts
@@ -741,6 +742,7 @@ class ImportReport(BaseModel):
     imported_completions: int
     imported_rejects: int
     already_present: int = Field(description="Pilot requests the main run's checkpoints already held.")
+    other_mode: int = Field(0, description="Pilot requests of the other turns mode (steps or single completions).")
 
 
 def _index(paths: list[Path]) -> dict[str, CheckpointLine]:
@@ -775,6 +777,7 @@ def import_pilot(
     # Every-turn mode: a conversation's steps carry `<its key>:step-N` and go together. A conversation the main
     # run holds any step of is not touched: a pilot step conditioned on another history would not continue it.
     steps = pilot_turns.keys_by_conversation([*completions, *rejects])
+    every = spec.turns == "every"
     for shard_id in plan.shard_ids:
         comp_path, rej_path = layout.shard_completions(shard_id), layout.shard_rejects(shard_id)
         settled = settled_keys(comp_path, "completion") | settled_keys(rej_path, "reject")
@@ -782,6 +785,10 @@ def import_pilot(
         wanted_r: list[CheckpointLine] = []
         for prompt in read_prompts(layout.shard_prompts(shard_id)):
             keys = steps.get(key_of(prompt.prompt_id), [])
+            if any((split_step_key(key) is not None) != every for key in keys):
+                # A pilot of the other mode: its lines are not what this run's engine writes or continues.
+                report.other_mode += len(keys)
+                continue
             present = sum(key in settled for key in keys)
             if present:
                 report.already_present += present
@@ -801,6 +808,12 @@ def import_pilot(
         report.imported_rejects,
         report.already_present,
     )
+    if report.other_mode:
+        log.warning(
+            "%d requests of the pilot were made with the other turns mode than this run's (%s): not reused",
+            report.other_mode,
+            spec.turns,
+        )
     return report
 
 

@@ -21,6 +21,7 @@ from typing import Any
 from datagen.checkpoint import read_rows
 from datagen.layout import RunLayout
 from datagen.records import Message, Prompt
+from datagen.regeneration import is_query, split_step_key
 from datagen.turn_stats import TurnSummary, conversations, distribution, is_step_row
 from tasks.generation import read_prompts
 from tasks.ordering import LengthSample, prompt_chars
@@ -36,8 +37,6 @@ __all__ = [
     "turn_report",
     "user_turns",
 ]
-
-STEP_KEY_SEPARATOR = ":step-"  # a step's request key: the conversation's key + ":step-N" (the I21 contract)
 
 
 @dataclass(slots=True)
@@ -59,8 +58,8 @@ class PilotMeasure:
 
 def conversation_key(request_key: str) -> str:
     """The conversation's request key of a step's (`<key>:step-N` -> `<key>`); a `last` mode key is its own."""
-    base, sep, n = request_key.rpartition(STEP_KEY_SEPARATOR)
-    return base if sep and n.isdigit() else request_key
+    split = split_step_key(request_key)
+    return split[0] if split is not None else request_key
 
 
 def keys_by_conversation(request_keys: Iterable[str]) -> dict[str, list[str]]:
@@ -108,11 +107,7 @@ def measure_completions(completions: list[dict[str, Any]], rejects: list[dict[st
 def user_turns(prompt: Prompt) -> int:
     """User turns of a conversation: its user messages that are queries, not `<tool_response>` text (the template's
     rule for the last query)."""
-    n = 0
-    for msg in prompt.messages:
-        text = msg.text.strip()
-        n += msg.role == "user" and not (text.startswith("<tool_response>") and text.endswith("</tool_response>"))
-    return n
+    return sum(is_query(msg) for msg in prompt.messages)
 
 
 def _rejected_keys(paths: Collection[str]) -> set[str]:

@@ -66,6 +66,7 @@ def published_run(
         sources=[PromptSource(path=str(prompts))],
         model_path=str(model_dir),
         namespace="conv_v1",
+        turns="last",
         shard_size=3,
         context_length=8192,
         sampling=SamplingSpec(max_new_tokens=1024),

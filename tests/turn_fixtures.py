@@ -19,6 +19,7 @@ from typing import Any
 from datagen.chat import IM_END_ID, ChatTokenizer
 from datagen.conversation_export import assistant_turn
 from datagen.records import Completion, Message, TokenRow
+from datagen.regeneration import is_query
 from datagen.runspec import SamplingSpec, ValidationSpec
 from datagen.toolcalls import parse_tool_calls
 from tasks.tokenization import TokenizationSummary, tokenize_accepted
@@ -30,7 +31,9 @@ __all__ = [
     "Step",
     "Turn",
     "build_conversation",
+    "check_published_rows",
     "check_segment_rows",
+    "published_segment",
     "stage_steps",
     "template_ids",
     "three_turn_tool_conversation",
@@ -218,10 +221,17 @@ def three_turn_tool_conversation(chat: ChatTokenizer, prompt_id: str = "conv-too
     return build_conversation(chat, turns, prompt_id=prompt_id, tools=WEATHER_TOOLS, plan_index=plan_index)
 
 
-def template_ids(chat: ChatTokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+def template_ids(
+    chat: ChatTokenizer,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    add_generation_prompt: bool = False,
+) -> list[int]:
     """`apply_chat_template(messages, tools=..., tokenize=True)` of the real template (thinking on)."""
     extra: dict[str, Any] = {"tools": tools} if tools else {}
-    out = chat._hf.apply_chat_template(messages, tokenize=True, enable_thinking=True, **extra)
+    out = chat._hf.apply_chat_template(
+        messages, tokenize=True, enable_thinking=True, add_generation_prompt=add_generation_prompt, **extra
+    )
     ids = out["input_ids"] if not isinstance(out, list) else out
     return list(ids)
 
@@ -247,6 +257,67 @@ def check_segment_rows(chat: ChatTokenizer, rows: list[TokenRow], built: Built) 
         assert row.loss_mask == mask, f"segment {k}: loss mask is not exactly the generated spans"
         assert row.num_loss_spans == len(steps) and row.span_finish_reasons == [s.finish_reason for s in steps]
         assert row.conversation_id == built.steps[0].prompt_id
+
+
+def _is_query(m: dict[str, Any]) -> bool:
+    """A user message the template counts as a query (not `<tool_response>` text): where a segment starts."""
+    return is_query(Message.from_dict(m))
+
+
+def published_segment(
+    line: dict[str, Any], turn_index: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """A published conversations/*.jsonl line cut at the end of user turn `turn_index`'s segment, as the template
+    takes it: (messages, tools), with the JSON text of `tools` and of each call's arguments parsed back (the line
+    keeps them as text for Arrow, docs/conversations.md) and the line's own keys (`outcome`) left out."""
+    messages: list[dict[str, Any]] = []
+    users = 0
+    for m in line["conversations"]:
+        if _is_query(m):
+            if users == turn_index + 1:
+                break
+            users += 1
+        m = dict(m)
+        if "tool_calls" in m:
+            m["tool_calls"] = [
+                {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                for c in m["tool_calls"]
+            ]
+        messages.append(m)
+    assert users == turn_index + 1, f"{line['id']}: no user turn {turn_index}"
+    tools = json.loads(line["tools"]) if "tools" in line else None
+    return messages, tools
+
+
+def check_published_rows(chat: ChatTokenizer, line: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """A published conversation and its token rows (parquet dicts, in turn order), from published data alone.
+
+    One row per user turn of the line; each equals `apply_chat_template` of the line cut at its segment's end
+    (tools included) except the closing `"\n"`, and its loss mask is 1 exactly on the segment's assistant turns:
+    from the end of the generation prompt the template writes before each to its `<|im_end|>`.
+    """
+    n_users = sum(_is_query(m) for m in line["conversations"])
+    assert [r["turn_index"] for r in rows] == list(range(n_users)), f"{line['id']}: not one row per user turn"
+    newline = chat.encode("\n")
+    for row in rows:
+        k = row["turn_index"]
+        messages, tools = published_segment(line, k)
+        expected = template_ids(chat, messages, tools)
+        assert expected[-1:] == newline and row["input_ids"] == expected[:-1], f"{line['id']} segment {k}"
+        query = max(i for i, m in enumerate(messages) if _is_query(m))
+        mask = [0] * len(row["input_ids"])
+        spans = 0
+        for j in range(query + 1, len(messages)):
+            if messages[j]["role"] != "assistant":
+                continue
+            start = len(template_ids(chat, messages[:j], tools, add_generation_prompt=True))
+            end = len(template_ids(chat, messages[: j + 1], tools)) - 1  # through <|im_end|>, not the "\n"
+            assert row["input_ids"][end - 1] == IM_END_ID
+            mask[start:end] = [1] * (end - start)
+            spans += 1
+        assert row["loss_mask"] == mask, f"{line['id']} segment {k}: loss mask is not exactly the generated spans"
+        assert row["num_loss_spans"] == spans == len(row["span_finish_reasons"])
+        assert row["conversation_id"] == line["id"]
 
 
 def stage_steps(

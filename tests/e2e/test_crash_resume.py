@@ -211,6 +211,7 @@ def test_sigkill_mid_generation_then_rerun_yields_every_prompt_once(local_s3: Lo
         sources=[PromptSource(path=str(prompts))],
         model_path=str(model_dir),
         namespace=NAMESPACE,
+        turns="last",
         shard_size=SHARD_SIZE,
         context_length=8192,
         sampling=SamplingSpec(max_new_tokens=1024),

@@ -87,6 +87,7 @@ def _spec(prompt_file: Path, model_dir: Path, namespace: str) -> RunSpec:
         sources=[PromptSource(path=str(prompt_file), category_field="category")],
         model_path=str(model_dir),
         namespace=namespace,
+        turns="last",
         shard_size=7,
         context_length=8192,
         sampling=SamplingSpec(max_new_tokens=1024),

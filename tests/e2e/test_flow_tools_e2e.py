@@ -48,6 +48,7 @@ def test_tool_conversations_run_end_to_end_with_tools_rendered(
         sources=sources,
         model_path=str(model_dir),
         namespace="tools_v1",
+        turns="last",
         shard_size=8,
         context_length=8192,
         sampling=SamplingSpec(max_new_tokens=1024),

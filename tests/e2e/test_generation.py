@@ -35,7 +35,11 @@ FAST = {
     "DATAGEN_STANDIN_STEP_BASE_MS": "2",
 }
 SPEC = RunSpec(
-    model_path="unused", sampling=SamplingSpec(max_new_tokens=48), context_length=8192, max_prompt_tokens=400
+    model_path="unused",
+    sampling=SamplingSpec(max_new_tokens=48),
+    context_length=8192,
+    max_prompt_tokens=400,
+    turns="last",
 )
 
 

@@ -172,6 +172,7 @@ def test_two_boxes_share_a_run_and_a_killed_box_loses_nothing(
             "sources": [{"path": str(prompts)}],
             "model_path": str(model_dir),
             "namespace": NAMESPACE,
+            "turns": "last",
             "shard_size": 4,
             "context_length": 4096,
             "sampling": {"max_new_tokens": 64},

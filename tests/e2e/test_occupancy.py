@@ -55,7 +55,7 @@ KNOBS = {
     "DATAGEN_STANDIN_STEP_BASE_MS": "8",
 }
 SERVER_ARGS = ("--max-running-requests", str(SLOTS), "--enable-metrics")
-SPEC = RunSpec(model_path="unused", sampling=SamplingSpec(max_new_tokens=80), context_length=8192)
+SPEC = RunSpec(model_path="unused", sampling=SamplingSpec(max_new_tokens=80), context_length=8192, turns="last")
 
 
 @pytest.fixture(scope="module")

@@ -59,6 +59,7 @@ def test_pilot_projects_the_full_set_and_the_main_run_reuses_its_completions(
         sources=sources,
         model_path=str(ensure_model_dir()),
         namespace="pilot_main_v1",
+        turns="last",
         shard_size=8,
         context_length=8192,
         sampling=SamplingSpec(max_new_tokens=1024),

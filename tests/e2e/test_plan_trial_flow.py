@@ -46,6 +46,9 @@ def test_pilot_runs_candidate_plans_side_by_side_and_the_main_run_keeps_the_fast
         sources=[PromptSource(path=str(path))],
         model_path=str(ensure_model_dir()),
         namespace="trial_main_v1",
+        # The trial is of plans, not turns; in `every` mode a main run whose every conversation the pilot settled
+        # meets a bug of the engine (tests/unit/test_pilot_turns.py, xfail).
+        turns="last",
         shard_size=30,
         context_length=8192,
         sampling=SamplingSpec(max_new_tokens=1024),

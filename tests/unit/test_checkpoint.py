@@ -111,7 +111,9 @@ def test_pilot_projection_skips_a_torn_tail(tmp_path: Path) -> None:
 def test_pilot_import_appends_to_a_torn_main_checkpoint_instead_of_skipping_the_shard(tmp_path: Path) -> None:
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"instruction": f"question {i}"}) + "\n" for i in range(4)))
-    spec = RunSpec(sources=[PromptSource(path=str(prompts))], shard_size=4, model_path=str(ensure_model_dir()))
+    spec = RunSpec(
+        sources=[PromptSource(path=str(prompts))], shard_size=4, model_path=str(ensure_model_dir()), turns="last"
+    )
     chat = ChatTokenizer.shared(spec.model_path)
     pilot_layout, main_layout = RunLayout(tmp_path / "pilot"), RunLayout(tmp_path / "main")
     plan = plan_shards(spec, main_layout)

@@ -44,9 +44,13 @@ def test_generation_cache_key_is_the_one_the_old_flow_gave() -> None:
 
     golden = "generate-golden_ns-abababababababab-6239cac4ec44fb4f-shard-00007"
     assert generation_cache_key("golden_ns", "ab" * 32, OTHER_SAMPLING, FINGERPRINT, 7) == golden
-    spec = RunSpec(namespace="golden_ns", sampling=OTHER_SAMPLING)
+    spec = RunSpec(namespace="golden_ns", sampling=OTHER_SAMPLING, turns="last")
     parameters = {"spec": spec, "model_fingerprint": FINGERPRINT, "plan_sha256": "ab" * 32, "shard_id": 7}
     assert _generation_cache_key(None, parameters) == golden  # type: ignore[arg-type]
+    # Every turn: the same plan's shards hold steps, not single completions; a result cached for the other mode
+    # must not be taken for them.
+    every = {**parameters, "spec": spec.model_copy(update={"turns": "every"})}
+    assert _generation_cache_key(None, every) == golden.replace("-shard-", "-turns-every-shard-")  # type: ignore[arg-type]
 
 
 def test_a_run_renders_prompt_ids_as_the_old_code_did_and_request_keys_follow() -> None:

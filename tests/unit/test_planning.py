@@ -318,3 +318,49 @@ def test_plan_counts_rows_in_the_sources_before_selection(tmp_path: Path) -> Non
     assert (skip_all.n_rows, skip_all.n_rows_in_sources) == (0, 5)
     again = read_plan(RunLayout(tmp_path / "run-skip"))
     assert again is not None and again.n_rows_in_sources == 5
+
+
+def test_every_turn_checks_the_first_request_against_the_budget_not_the_recorded_conversation(tmp_path: Path) -> None:
+    """Every turn: a conversation longer than the prompt budget whose first request fits is planned, with the id
+    it has in `last` mode; one whose first user turn is over the budget, or whose recording is over the whole
+    context, is a load reject saying which."""
+    from datagen.identity import PromptIdentity
+    from datagen.records import Message
+    from datagen.runspec import SamplingSpec
+
+    answer = "A long recorded answer about rivers and their deltas. " * 60  # about 600 tokens
+    long_chat = [
+        {"role": "user", "content": "Tell me about rivers."},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "And about lakes?"},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "Which is deeper?"},
+    ]
+    huge_first = [
+        {"role": "user", "content": "word " * 2000},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "More?"},
+    ]
+    over_context = [*long_chat[:-1]] * 4 + [{"role": "user", "content": "Done?"}]
+    f = tmp_path / "chats.jsonl"
+    f.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (long_chat, huge_first, over_context)))
+    budget = {"context_length": 4096, "sampling": SamplingSpec(max_new_tokens=3072)}  # prompt budget: 1024 tokens
+
+    last = plan_shards(_model_spec(f, turns="last", **budget), RunLayout(tmp_path / "last"))
+    assert last.n_prompts == 0 and last.load_rejects_by_reason == {"prompt_too_long": 3}
+
+    layout = RunLayout(tmp_path / "every")
+    every_spec = _model_spec(f, turns="every", **budget)
+    every = plan_shards(every_spec, layout)
+    assert every.n_prompts == 1 and every.load_rejects_by_reason == {"prompt_too_long": 2}
+    [prompt] = _prompts(layout, every)
+    assert prompt.row == 0 and len(prompt.messages) == 5
+    # Its id is the hash of the whole recorded prompt, as in `last` mode (where a bigger budget lets it through).
+    roomy = PromptIdentity.for_spec(_model_spec(f, turns="last", context_length=8192, sampling=budget["sampling"]))
+    assert prompt.prompt_id == roomy.prompt_id(prompt.source, [Message(**m) for m in long_chat])
+    first, whole = (Reject.from_json(line) for line in layout.load_rejects.read_text().splitlines())
+    assert first.row == 1 and first.detail.startswith(f"{f}:2: first request (messages through the first user turn)")
+    assert "limit is 1024" in first.detail
+    assert whole.row == 2 and "turns: every; the conversation as recorded must fit the model's context_length 4096" in (
+        whole.detail
+    )

@@ -7,7 +7,7 @@ each row is compared with the template's own `apply_chat_template(..., tools=...
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -24,7 +24,9 @@ from tests.turn_fixtures import (
     Step,
     Turn,
     build_conversation,
+    check_published_rows,
     check_segment_rows,
+    published_segment,
     stage_steps,
     template_ids,
     three_turn_tool_conversation,
@@ -132,19 +134,12 @@ def test_rows_equal_the_templates_rendering_of_the_regenerated_conversation(
         {"city": "Lyon", "days": 1},
     ]
     # The published conversation renders to the last row (plus the template's closing newline).
-    published = [
-        {
-            **m,
-            "tool_calls": [
-                {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
-                for c in m["tool_calls"]
-            ],
-        }
-        if "tool_calls" in m
-        else m
-        for m in tools_line["conversations"]
-    ]
-    assert template_ids(chat, published, WEATHER_TOOLS) == tool_rows[2].input_ids + chat.encode("\n")
+    published, tools = published_segment(tools_line, 2)
+    assert tools == WEATHER_TOOLS
+    assert template_ids(chat, published, tools) == tool_rows[2].input_ids + chat.encode("\n")
+    # The same, from published data alone (the check the flow-level test runs on a real run's output).
+    for line in lines:
+        check_published_rows(chat, line, [asdict(r) for r in by_conversation[line["id"]]])
 
 
 def _steps_with(

@@ -1,0 +1,394 @@
+"""Generation of one shard in `turns: every` mode: each conversation step by step through the box's dispatcher.
+
+A shard's prompts are conversations. Step 0 of each is its system messages and first user turn, rendered fresh
+(`datagen.regeneration`; planning's render cache holds the whole row, not this). When a step finishes, its
+checkpoint line is written and the conversation's next step goes to the same `Dispatcher` at once, under the
+conversation's plan position, so it goes ahead of conversations that have not started: no barrier per
+conversation or shard, the servers stay full. A step's request key is `<conversation's request key>:step-N`.
+
+The checkpoint is the same exactly-once ledger as in `last` mode (datagen.checkpoint), keyed by step: a rerun
+reads it, takes every conversation whose last line carries an `outcome` or that has a reject line as settled,
+and restarts every other one at its first unwritten step, its history and prompt ids rebuilt from its lines
+(`Regenerator.resume`). A line is written before its successor is requested, so every step is generated once.
+A step that fails validation's per-sample checks ends its conversation (`rejected_<reason>`): validation would cut
+the conversation there anyway, so nothing after it is generated.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import queue
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from datagen.chat import ChatTokenizer
+from datagen.checkpoint import CheckpointAppender, CheckpointError, read_lines, read_rows, summarize
+from datagen.engine.client import GenerateResult, ProtocolError, RequestRejected, sampling_params_for
+from datagen.engine.dispatcher import Dispatcher, GenerateJob, SubmitTimeout
+from datagen.faults import kill_point
+from datagen.identity import RequestKeys, preparer_for
+from datagen.layout import RunLayout
+from datagen.preparation import Unsendable
+from datagen.quality import check_completion
+from datagen.records import Completion, Prompt
+from datagen.regeneration import (
+    Ended,
+    Regenerator,
+    Script,
+    StepCheck,
+    StepRequest,
+    split_step_key,
+    step_key,
+    step_record,
+)
+from datagen.repetition import word_tokens
+from datagen.runspec import RunSpec
+from tasks.generation import (
+    SUBMIT_POLL_S,
+    GenerationIncomplete,
+    ShardResult,
+    completion_record,
+    generation_reject,
+    read_prompts,
+)
+
+__all__ = ["generate_conversations", "read_ledger", "step_check", "unsettled_conversations"]
+
+logger = logging.getLogger("datagen.generation")
+
+
+@dataclass(slots=True)
+class _Ledger:
+    """What a shard's checkpoint holds of one conversation: its step lines (where they are) and how it ended."""
+
+    lines: list[tuple[int, int, int, int]] = field(default_factory=list)  # (step, turn_index, offset, length)
+    ended: bool = False  # its last step line carries an outcome
+    rejected_step: int | None = None  # the step a generation reject line settled
+
+    @property
+    def settled(self) -> bool:
+        return self.ended or self.rejected_step is not None
+
+
+def read_ledger(completions_path: Path, rejects_path: Path, conversation_keys: set[str]) -> dict[str, _Ledger]:
+    """Each conversation's lines in the shard's checkpoint; CheckpointError when they do not fit the shard.
+
+    Foreign lines (not `<key>:step-N` of a conversation of this shard under this spec and model), a key written
+    twice, steps not 0, 1, 2, ... in order, a line after the one that ended the conversation, or a reject beside
+    a later step: each is a checkpoint this shard did not write.
+    """
+    ledgers: dict[str, _Ledger] = collections.defaultdict(_Ledger)
+    foreign = 0
+    for line in read_lines(completions_path):
+        row = line.row(completions_path)
+        split = split_step_key(str(row.get("request_key", "")))
+        if split is None or split[0] not in conversation_keys:
+            foreign += 1
+            continue
+        ledger = ledgers[split[0]]
+        if split[1] != len(ledger.lines) or ledger.ended:
+            raise CheckpointError(
+                f"{completions_path}:{line.lineno}: step {split[1]} of conversation {row.get('prompt_id')} after "
+                f"{len(ledger.lines)} step lines{' and its outcome' if ledger.ended else ''}: steps are written "
+                "once, in order"
+            )
+        ledger.lines.append((split[1], int(row.get("turn_index") or 0), line.offset, line.length))
+        ledger.ended = row.get("outcome") is not None
+    for row in read_rows(rejects_path):
+        split = split_step_key(str(row.get("request_key", "")))
+        if split is None or split[0] not in conversation_keys:
+            foreign += 1
+            continue
+        ledger = ledgers[split[0]]
+        if ledger.rejected_step is not None or ledger.ended or split[1] != len(ledger.lines):
+            raise CheckpointError(
+                f"{rejects_path}: a reject of step {split[1]} of conversation {row.get('prompt_id')}, which has "
+                f"{len(ledger.lines)} step lines{', an outcome' if ledger.ended else ''}"
+                f"{' and another reject' if ledger.rejected_step is not None else ''}: both completed and rejected"
+            )
+        ledger.rejected_step = split[1]
+    if foreign:
+        raise CheckpointError(
+            f"{completions_path.name}/{rejects_path.name} hold {foreign} lines that are no step of a conversation "
+            "of this shard under this spec and model (turns, sampling, model or template changed?); use a new "
+            "namespace instead of mixing"
+        )
+    return dict(ledgers)
+
+
+def _conversation_keys(layout: RunLayout, shard_id: int, chat: ChatTokenizer, spec: RunSpec) -> dict[str, int]:
+    """Each conversation's request key and its line in the shard (the first, for a prompt listed twice)."""
+    key_of = RequestKeys(spec.sampling, chat)
+    keys: dict[str, int] = {}
+    for row, prompt in enumerate(read_prompts(layout.shard_prompts(shard_id))):
+        keys.setdefault(key_of(prompt.prompt_id), row)
+    return keys
+
+
+def unsettled_conversations(shard_id: int, layout: RunLayout, chat: ChatTokenizer, spec: RunSpec) -> int:
+    """Conversations of the shard its checkpoint has not settled: 0 means the shard needs no server."""
+    keys = _conversation_keys(layout, shard_id, chat, spec)
+    ledgers = read_ledger(layout.shard_completions(shard_id), layout.shard_rejects(shard_id), set(keys))
+    return sum(1 for key in keys if key not in ledgers or not ledgers[key].settled)
+
+
+def step_check(spec: RunSpec, chat: ChatTokenizer) -> StepCheck:
+    """Validation's per-sample checks of one step, as the validation stage runs them (its word table included)."""
+    words = word_tokens(chat)
+
+    def check(c: Completion) -> tuple[str, str] | None:
+        verdict = check_completion(c, spec.validation, spec.sampling.enable_thinking, words)
+        return None if verdict.reason is None else (verdict.reason, verdict.detail)
+
+    return check
+
+
+def _line_at(path: Path, offset: int, length: int) -> Completion:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return Completion.from_json(f.read(length).decode("utf-8"))
+
+
+@dataclass(frozen=True, slots=True)
+class _Conversation:
+    prompt: Prompt
+    row: int  # its line in the shard: the plan position of all its steps
+    key: str  # its request key; a step's is `<key>:step-N`
+
+
+class _ShardConversations:
+    """The every-turn generation of one shard: its conversations, their steps in flight, and their ledger."""
+
+    def __init__(
+        self,
+        shard_id: int,
+        layout: RunLayout,
+        dispatcher: Dispatcher | None,
+        chat: ChatTokenizer,
+        spec: RunSpec,
+        flush_interval_s: float,
+    ) -> None:
+        self.shard_id = shard_id
+        self.completions_path, self.rejects_path = layout.shard_completions(shard_id), layout.shard_rejects(shard_id)
+        self.prompts_path = layout.shard_prompts(shard_id)
+        self.dispatcher = dispatcher
+        self.regen = Regenerator(preparer_for(spec, chat), step_check(spec, chat))
+        self.sampling = sampling_params_for(spec.sampling)
+        self.flush_interval_s = flush_interval_s
+        self.key_of = RequestKeys(spec.sampling, chat)
+        self.inflight: dict[concurrent.futures.Future[GenerateResult], tuple[_Conversation, Script, StepRequest]] = {}
+        # Futures land here as they finish (done-callbacks run on the dispatcher's thread; only this one writes).
+        self.finished: queue.SimpleQueue[concurrent.futures.Future[GenerateResult]] = queue.SimpleQueue()
+        # Next steps of conversations under way: sent before any conversation that has not started.
+        self.ready: collections.deque[tuple[_Conversation, Script, StepRequest]] = collections.deque()
+        self.failures: list[BaseException] = []
+        self.n_sent = 0
+        self.completions: CheckpointAppender  # opened by run(), once the ledger is known to be this shard's
+        self.rejects: CheckpointAppender
+
+    def run(self) -> ShardResult:
+        conversations: dict[str, _Conversation] = {}
+        duplicates = 0
+        for row, prompt in enumerate(read_prompts(self.prompts_path)):
+            key = self.key_of(prompt.prompt_id)
+            duplicates += key in conversations
+            conversations.setdefault(key, _Conversation(prompt, row, key))
+        if duplicates:
+            logger.warning("shard %d: %d duplicate prompt ids are generated once", self.shard_id, duplicates)
+        ledgers = read_ledger(self.completions_path, self.rejects_path, set(conversations))
+        todo = [c for key, c in conversations.items() if key not in ledgers or not ledgers[key].settled]
+        logger.info(
+            "shard %d: %d conversations, %d settled in checkpoint (%d step lines), %d to do",
+            self.shard_id,
+            len(conversations),
+            len(conversations) - len(todo),
+            sum(len(ledger.lines) for ledger in ledgers.values()),
+            len(todo),
+        )
+        if todo:
+            if self.dispatcher is None:
+                raise RuntimeError(f"shard {self.shard_id}: {len(todo)} conversations to generate but no servers")
+            self.dispatcher.add_expected(len(todo))
+        self.completions = CheckpointAppender(self.completions_path, self.flush_interval_s)
+        self.rejects = CheckpointAppender(self.rejects_path, self.flush_interval_s)
+        try:
+            self._generate(iter(todo), ledgers)
+        finally:
+            for fut in self.inflight:
+                fut.cancel()  # only queued ones cancel; what runs finishes on the servers, unrecorded
+            self.completions.close()
+            self.rejects.close()
+        if self.failures:
+            raise GenerationIncomplete(
+                f"shard {self.shard_id}: {len(self.failures)} of {self.n_sent} steps sent got no result; every "
+                f"step before them is checkpointed and a retry resumes those conversations there. First error: "
+                f"{self.failures[0]}"
+            ) from self.failures[0]
+        return self._result(conversations)
+
+    def _generate(self, todo: Iterator[_Conversation], ledgers: dict[str, _Ledger]) -> None:
+        """Send next steps first, then open conversations in plan order, writing results as they come."""
+        dispatcher = self.dispatcher
+        opened: tuple[_Conversation, Script, StepRequest] | None = None  # prepared, waiting for room
+        while True:
+            self._harvest(0)
+            from_ready = bool(self.ready)
+            if from_ready:
+                item = self.ready.popleft()
+            else:
+                opened = opened or self._open_next(todo, ledgers)
+                if opened is None:
+                    if not self.inflight:
+                        return
+                    self._harvest(self.flush_interval_s)
+                    continue
+                item = opened
+            conv, _, req = item
+            assert dispatcher is not None  # only unsettled conversations get here, and those need servers
+            job = GenerateJob(
+                req.prompt_ids,
+                self.sampling,
+                label=f"{conv.prompt.prompt_id}:step-{req.step}",
+                order=(self.shard_id, conv.row),
+            )
+            try:
+                fut = dispatcher.submit(job, timeout=SUBMIT_POLL_S)
+            except SubmitTimeout:
+                if from_ready:
+                    self.ready.appendleft(item)
+                continue  # (a prepared opening stays in `opened`)
+            if not from_ready:
+                opened = None
+            self.inflight[fut] = item
+            fut.add_done_callback(self.finished.put)  # after the entry exists: harvest pops it
+            self.n_sent += 1
+
+    def _open_next(
+        self, todo: Iterator[_Conversation], ledgers: dict[str, _Ledger]
+    ) -> tuple[_Conversation, Script, StepRequest] | None:
+        """The next conversation's next step (step 0, or where a crash left it); None when none is left."""
+        assert self.dispatcher is not None
+        for conv in todo:
+            with self.dispatcher.turn((self.shard_id, conv.row)):  # prepared in plan order, as the queue lets in
+                ledger = ledgers.get(conv.key)
+                lines = ledger.lines if ledger is not None else []
+                try:
+                    script = Script.of(conv.prompt)
+                    req = self._resume(conv, script, lines) if lines else self.regen.first(script)
+                except Unsendable as exc:
+                    req = None
+                    self._write_reject(conv, len(lines), exc.reason, exc.detail)
+            if req is not None:
+                return conv, script, req
+            self.dispatcher.add_expected(-1)  # settled here, never sent
+        return None
+
+    def _resume(
+        self, conv: _Conversation, script: Script, lines: list[tuple[int, int, int, int]]
+    ) -> StepRequest | None:
+        """The step after a conversation's last line, from its lines; None when it ends there (a reject says why)."""
+        turn = lines[-1][1]
+        steps = [_line_at(self.completions_path, offset, length) for _, t, offset, length in lines if t == turn]
+        try:
+            last = self.regen.resume(script, steps)
+        except ValueError as exc:  # Unsendable too: it was sent once, so the template or model changed
+            raise CheckpointError(f"{self.completions_path}: cannot resume: {exc}") from exc
+        nxt = self.regen.after(script, last, steps[-1])
+        if isinstance(nxt, Ended):  # its line was written as continuing, so the rules changed since: end it here
+            self._write_reject(conv, len(lines), nxt.outcome, f"{nxt.detail} (decided when resuming)")
+            return None
+        logger.debug("conversation %s resumes at step %d", conv.prompt.prompt_id, nxt.step)
+        return nxt
+
+    def _harvest(self, timeout: float) -> None:
+        """Write every finished step and queue its successor; wait up to `timeout` for the first one."""
+        batch: list[concurrent.futures.Future[GenerateResult]] = []
+        try:
+            batch.append(self.finished.get(timeout=timeout) if timeout > 0 else self.finished.get_nowait())
+            while True:
+                batch.append(self.finished.get_nowait())
+        except queue.Empty:
+            pass
+        for fut in batch:
+            self._settle(fut, *self.inflight.pop(fut))
+        self.completions.sync_if_due()
+        self.rejects.sync_if_due()
+
+    def _settle(
+        self, fut: concurrent.futures.Future[GenerateResult], conv: _Conversation, script: Script, req: StepRequest
+    ) -> None:
+        key = step_key(conv.key, req.step)
+        try:
+            result = fut.result()
+        except RequestRejected as exc:
+            self._write_reject(conv, req.step, "server_rejected", f"{exc.server}: {exc.message}")
+            return
+        except ProtocolError as exc:
+            self._write_reject(conv, req.step, "protocol_error", str(exc))
+            return
+        except Exception as exc:  # not about this step: left unsettled so a shard retry resumes here
+            self.failures.append(exc)
+            return
+        c = completion_record(conv.prompt, key, len(req.prompt_ids), result, conv.row)
+        assert self.dispatcher is not None
+        try:
+            with self.dispatcher.turn((self.shard_id, conv.row)):
+                nxt = self.regen.after(script, req, c)
+        except Unsendable as exc:  # the next user turn cannot be rendered: its reject ends the conversation
+            self.completions.write(step_record(c, req).to_json())
+            self._write_reject(conv, req.step + 1, exc.reason, exc.detail)
+            return
+        if isinstance(nxt, Ended):
+            self.completions.write(step_record(c, req, nxt).to_json())
+            return
+        self.completions.write(step_record(c, req).to_json())
+        kill_point("generate.mid-conversation")
+        self.dispatcher.add_expected(1)
+        self.ready.append((conv, script, nxt))
+
+    def _write_reject(self, conv: _Conversation, step: int, reason: str, detail: str) -> None:
+        where = f"conversation {conv.prompt.prompt_id}, step {step}: {detail}"
+        self.rejects.write(generation_reject(conv.prompt, step_key(conv.key, step), reason, where).to_json())
+
+    def _result(self, conversations: dict[str, _Conversation]) -> ShardResult:
+        ledgers = read_ledger(self.completions_path, self.rejects_path, set(conversations))
+        open_ = [key for key in conversations if key not in ledgers or not ledgers[key].settled]
+        if open_:
+            raise CheckpointError(f"shard {self.shard_id}: {len(open_)} conversations neither ended nor rejected")
+        n_completed, output_tokens, sha = summarize(self.completions_path)
+        n_rejected = sum(1 for _ in read_lines(self.rejects_path))
+        logger.info(
+            "shard %d done: %d completed, %d rejected, %d sent now, %d output tokens",
+            self.shard_id,
+            n_completed,
+            n_rejected,
+            self.n_sent,
+            output_tokens,
+        )
+        return ShardResult(
+            shard_id=self.shard_id,
+            completions_path=str(self.completions_path),
+            rejects_path=str(self.rejects_path),
+            n_prompts=len(conversations),
+            n_completed=n_completed,
+            n_rejected=n_rejected,
+            n_sent=self.n_sent,
+            output_tokens=output_tokens,
+            completions_sha256=sha,
+        )
+
+
+def generate_conversations(
+    shard_id: int,
+    layout: RunLayout,
+    dispatcher: Dispatcher | None,
+    chat: ChatTokenizer,
+    spec: RunSpec,
+    flush_interval_s: float = 2.0,
+) -> ShardResult:
+    """Generate every conversation of one shard its checkpoint has not settled, each step once; counts in
+    `ShardResult` are conversations (`n_prompts`), step lines (`n_completed`) and reject lines (`n_rejected`)."""
+    return _ShardConversations(shard_id, layout, dispatcher, chat, spec, flush_interval_s).run()
