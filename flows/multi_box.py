@@ -4,7 +4,8 @@
       plan shards, upload them to S3                                provision this box's servers (its Settings)
       run_deployment(generate-on-box, work_queue=<box>) per box     loop: claim a shard in S3 (lease),
       wait for every shard's done marker in S3                        restore its parts, generate, upload parts,
-      collect parts (dedupe by request_key) -> validate ->           write its done marker
+      collect parts (dedupe by request_key; per conversation        write its done marker
+        in `turns: every` mode) -> validate ->
       gate -> tokenize -> gate -> publish                           until every shard is done
 
 S3 (tasks/shard_exchange.py) is the source of truth: claims with leases make the split dynamic (a box
