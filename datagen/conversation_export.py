@@ -31,6 +31,7 @@ __all__ = [
     "CONVERSATIONS_GLOB",
     "ConversationWriter",
     "assistant_turn",
+    "assistant_view",
     "conversation_record",
     "split_reasoning",
     "steps_record",
@@ -90,6 +91,12 @@ def assistant_turn(c: Completion, enable_thinking: bool) -> Message:
         # As SGLang's tool parsers return it: the visible text before the first call.
         answer = answer[: answer.index(TOOL_CALL_START)]
     return Message(role="assistant", content=answer, reasoning_content=reasoning, tool_calls=calls)
+
+
+def assistant_view(m: Message) -> tuple[str, str | None, list[tuple[str, Any]]]:
+    """What the template renders of an assistant turn: text, reasoning, calls (ids are the engine's business)."""
+    calls = [(c.name, c.arguments) for c in m.tool_calls or ()]
+    return m.text, m.reasoning_content, calls
 
 
 def conversation_record(c: Completion, enable_thinking: bool) -> dict[str, Any]:

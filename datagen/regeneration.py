@@ -33,7 +33,7 @@ from itertools import pairwise
 from typing import Any
 
 from datagen.chat import TemplateError
-from datagen.conversation_export import assistant_turn
+from datagen.conversation_export import assistant_turn, assistant_view
 from datagen.preparation import Preparer, Unsendable
 from datagen.records import Completion, Message, Prompt
 from datagen.segments import cut_outcome
@@ -56,6 +56,7 @@ __all__ = [
     "StepCheck",
     "StepRequest",
     "UserTurn",
+    "follows",
     "is_query",
     "split_step_key",
     "step_key",
@@ -99,6 +100,14 @@ def split_step_key(key: str) -> tuple[str, int] | None:
     """(conversation key, step) of a step's request key; None for a key of another form (a `last` mode key)."""
     base, sep, n = key.rpartition(STEP_KEY_SEPARATOR)
     return (base, int(n)) if sep and n.isdigit() else None
+
+
+def follows(before: Completion, after: Completion, enable_thinking: bool) -> bool:
+    """Whether step line `after` was requested after step line `before`: its history's assistant turns are
+    `before`'s plus `before`'s own generated turn (what tokenization verifies of a conversation's steps)."""
+    earlier = [assistant_view(m) for m in before.messages if m.role == "assistant"]
+    held = [assistant_view(m) for m in after.messages if m.role == "assistant"]
+    return held == [*earlier, assistant_view(assistant_turn(before, enable_thinking))]
 
 
 def is_query(m: Message) -> bool:

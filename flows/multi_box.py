@@ -4,7 +4,8 @@
       plan shards, upload them to S3                                provision this box's servers (its Settings)
       run_deployment(generate-on-box, work_queue=<box>) per box     loop: claim a shard in S3 (lease),
       wait for every shard's done marker in S3                        restore its parts, generate, upload parts,
-      collect parts (dedupe by request_key) -> validate ->           write its done marker
+      collect parts (dedupe by request_key; per conversation        write its done marker
+        in `turns: every` mode) -> validate ->
       gate -> tokenize -> gate -> publish                           until every shard is done
 
 S3 (tasks/shard_exchange.py) is the source of truth: claims with leases make the split dynamic (a box
@@ -60,7 +61,7 @@ from flows.expand_dataset import (
     publish_dataset,
     published_before,
 )
-from tasks import generation, planning
+from tasks import generation, generation_turns, planning
 from tasks.planning import ShardPlan
 from tasks.serving import serving
 from tasks.shard_exchange import CheckpointSync, CollectedShard, Lease, ShardExchange, ShardExchangeError
@@ -151,7 +152,7 @@ def _generate_on_box(
     if box and box != this_box:
         raise BoxMismatch(f"this run is for box {box!r} but reached box {this_box!r} (DATAGEN_BOX_NAME)")
     store = ObjectStore.from_settings(settings)
-    sx = ShardExchange(store, spec.namespace, this_box, _owner_token(), lease_s=exchange.lease_s)
+    sx = _exchange(store, spec, this_box, exchange.lease_s)
     plan = sx.fetch_plan()
     if sx.done_ids() >= set(plan.shard_ids):
         logger.info("every shard is already done; nothing to start on %s", this_box)
@@ -251,9 +252,25 @@ def _preflight(store: ObjectStore, namespace: str) -> None:
         raise ShardExchangeError("S3 checks failed:\n" + "\n".join(f"- {r.name}: {r.detail}" for r in failed))
 
 
-def _expected_keys(layout: RunLayout, shard_id: int, spec: RunSpec, chat: ChatTokenizer) -> set[str]:
+def _expected_keys(layout: RunLayout, shard_id: int, spec: RunSpec, chat: ChatTokenizer) -> set[str] | dict[str, str]:
+    """The shard's request keys; `turns: every`: its conversations' keys, each with its prompt id."""
+    if spec.turns == "every":
+        return generation_turns.conversation_keys(layout, shard_id, chat, spec)
     key_of = RequestKeys(spec.sampling, chat)
     return {key_of(prompt.prompt_id) for prompt in generation.read_prompts(layout.shard_prompts(shard_id))}
+
+
+def _exchange(store: ObjectStore, spec: RunSpec, box: str, lease_s: float) -> ShardExchange:
+    """This process's handle on the run state; rows merge per conversation in `turns: every` mode."""
+    return ShardExchange(
+        store,
+        spec.namespace,
+        box,
+        _owner_token(),
+        lease_s=lease_s,
+        turns=spec.turns,
+        enable_thinking=spec.sampling.enable_thinking,
+    )
 
 
 def _collect(
@@ -374,7 +391,7 @@ def _expand_dataset_multibox(spec: RunSpec, boxes: MultiBoxSpec, dry_run: bool) 
     layout = RunLayout.for_run(settings.work_dir, spec.namespace)
     layout.root.mkdir(parents=True, exist_ok=True)
     store = ObjectStore.from_settings(settings)
-    exchange = ShardExchange(store, spec.namespace, "parent", _owner_token(), lease_s=boxes.exchange.lease_s)
+    exchange = _exchange(store, spec, "parent", boxes.exchange.lease_s)
     ctx = FlowRunContext.get()
     run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else None
     if not dry_run and (done := published_before(store, spec, layout)) is not None:
@@ -422,7 +439,12 @@ def _expand_dataset_multibox(spec: RunSpec, boxes: MultiBoxSpec, dry_run: bool) 
     conversations = (
         {
             "conversations": turns.summary()
-            | {"published": tokenized.conversations, "published_user_turns": tokenized.turns}
+            | {
+                "published": tokenized.conversations,
+                "published_user_turns": tokenized.turns,
+                # Conversations two owners generated differently (a lease taken over mid-conversation): one kept.
+                "generated_twice": sum(len(c.conflicts) for c in collected),
+            }
         }
         if turns is not None
         else {}

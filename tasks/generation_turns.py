@@ -55,7 +55,7 @@ from tasks.generation import (
     read_prompts,
 )
 
-__all__ = ["generate_conversations", "read_ledger", "step_check", "unsettled_conversations"]
+__all__ = ["conversation_keys", "generate_conversations", "read_ledger", "step_check", "unsettled_conversations"]
 
 logger = logging.getLogger("datagen.generation")
 
@@ -119,18 +119,18 @@ def read_ledger(completions_path: Path, rejects_path: Path, conversation_keys: s
     return dict(ledgers)
 
 
-def _conversation_keys(layout: RunLayout, shard_id: int, chat: ChatTokenizer, spec: RunSpec) -> dict[str, int]:
-    """Each conversation's request key and its line in the shard (the first, for a prompt listed twice)."""
+def conversation_keys(layout: RunLayout, shard_id: int, chat: ChatTokenizer, spec: RunSpec) -> dict[str, str]:
+    """Each conversation's request key and its prompt id, in the shard's order (a prompt listed twice once)."""
     key_of = RequestKeys(spec.sampling, chat)
-    keys: dict[str, int] = {}
-    for row, prompt in enumerate(read_prompts(layout.shard_prompts(shard_id))):
-        keys.setdefault(key_of(prompt.prompt_id), row)
+    keys: dict[str, str] = {}
+    for prompt in read_prompts(layout.shard_prompts(shard_id)):
+        keys.setdefault(key_of(prompt.prompt_id), prompt.prompt_id)
     return keys
 
 
 def unsettled_conversations(shard_id: int, layout: RunLayout, chat: ChatTokenizer, spec: RunSpec) -> int:
     """Conversations of the shard its checkpoint has not settled: 0 means the shard needs no server."""
-    keys = _conversation_keys(layout, shard_id, chat, spec)
+    keys = conversation_keys(layout, shard_id, chat, spec)
     ledgers = read_ledger(layout.shard_completions(shard_id), layout.shard_rejects(shard_id), set(keys))
     return sum(1 for key in keys if key not in ledgers or not ledgers[key].settled)
 

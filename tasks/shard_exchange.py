@@ -14,6 +14,15 @@ put_if_absent: two boxes racing for number n+1 cannot both win. The highest clai
 expired owns the shard. Lease expiry is read against each box's own clock: keep boxes on NTP.
 A box that loses its lease while still working only wastes work: parts may then hold a request twice,
 and every reader dedupes by request_key (a completion wins over a reject, then the first part in key order).
+
+In `turns: every` mode a row is one step of a conversation (request key `<key>:step-N`, tasks/generation_turns.py)
+and rows are merged per conversation, not per key: two owners that both generated step N (the first kept working
+after its lease was taken over) wrote two different step-N lines, and step N+1 of each follows only its own.
+Readers keep one chain of step lines per conversation, each line following the one before it
+(`datagen.regeneration.follows`): a settled chain (its last line has an outcome, or a reject line settles the
+step after it) over an unsettled one, then the longer, then the one whose line comes first in part key order.
+The other owner's lines are dropped and named in `ShardRows.conflicts`. A shard is complete when every one of
+its conversations is settled.
 """
 
 from __future__ import annotations
@@ -27,13 +36,17 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.checkpoint import read_lines, write_lines
 from datagen.layout import RunLayout
+from datagen.records import Completion
+from datagen.regeneration import follows, split_step_key
 from datagen.storage import ObjectExists, ObjectStore
 from tasks.generation import ShardResult
+from tasks.generation_turns import read_ledger
 from tasks.planning import ShardPlan, plan_manifest_path
 
 __all__ = [
@@ -47,6 +60,7 @@ __all__ = [
     "ShardExchange",
     "ShardExchangeError",
     "ShardRows",
+    "merge_steps",
 ]
 
 logger = logging.getLogger("datagen.exchange")
@@ -97,6 +111,11 @@ class ShardRows:
     rejects: dict[str, str] = field(default_factory=dict)
     duplicates: int = 0
     rows_by_box: Counter[str] = field(default_factory=Counter)
+    # `turns: every` only: the conversations the rows settle, the prompt id of each conversation seen, and a
+    # message per conversation whose lines from two owners diverged (which were kept, which dropped).
+    settled: set[str] = field(default_factory=set)
+    conversations: dict[str, str] = field(default_factory=dict)
+    conflicts: list[str] = field(default_factory=list)
 
     @property
     def keys(self) -> set[str]:
@@ -111,6 +130,10 @@ class CollectedShard(BaseModel):
     result: ShardResult
     duplicates_dropped: int = Field(description="Rows found in more than one part (kept once).")
     rows_by_box: dict[str, int] = Field(description="Kept rows per box that generated them.")
+    conflicts: list[str] = Field(
+        default_factory=list,
+        description="`turns: every`: conversations two owners generated differently, and whose lines were kept.",
+    )
 
 
 def _shard_name(shard_id: int) -> str:
@@ -135,6 +158,110 @@ def _local_rows(path: Path) -> list[str]:
     return [line.text for line in read_lines(path)]
 
 
+@dataclass(frozen=True, slots=True)
+class _StepLine:
+    line: str
+    box: str  # the part's box ("" for a line of the local checkpoint)
+    step: Completion
+
+    @property
+    def generation(self) -> tuple[str, tuple[int, ...]]:
+        return self.step.text, tuple(self.step.output_ids)
+
+
+def _chain(
+    steps: dict[int, list[_StepLine]], rejected: set[int], enable_thinking: bool
+) -> tuple[bool, list[_StepLine]]:
+    """(settled, chain) of one conversation: the step lines kept, each following the one before it.
+
+    A settled chain over an unsettled one, then the longer, then the first in the lines' order (part key order):
+    lines of one generation written twice count once.
+    """
+    best: tuple[tuple[bool, int], list[_StepLine]] = ((False, -1), [])
+
+    def walk(chain: list[_StepLine]) -> None:
+        nonlocal best
+        n = len(chain)
+        ended = bool(chain) and chain[-1].step.outcome is not None
+        options: dict[tuple[str, tuple[int, ...]], _StepLine] = {}
+        if not ended:
+            for s in steps.get(n, ()):
+                if not chain or follows(chain[-1].step, s.step, enable_thinking):
+                    options.setdefault(s.generation, s)
+        if not options:
+            score = (ended or n in rejected, n)
+            if score > best[0]:
+                best = (score, list(chain))
+            return
+        for s in options.values():
+            walk([*chain, s])
+
+    walk([])
+    return best[0][0], best[1]
+
+
+def merge_steps(
+    completions: Iterable[tuple[str, str, str]], rejects: Iterable[tuple[str, str, str]], enable_thinking: bool
+) -> ShardRows:
+    """`turns: every`: one chain of step lines per conversation from (where, box, line) rows of every part.
+
+    Rows are read in the order given (part key order): a conversation's rows keep that order's first of each
+    generation. A reject line settles a chain only at the step after its last line (the first such reject wins);
+    every other line is a duplicate (same generation) or a conflict (another owner's generation).
+    """
+    merged = ShardRows()
+    lines: dict[str, dict[int, list[_StepLine]]] = {}
+    reject_lines: dict[str, dict[int, list[tuple[str, str]]]] = {}
+    order: dict[str, None] = {}  # conversations in the order their first row came
+    total = 0
+    for kind, rows in (("completions", completions), ("rejects", rejects)):
+        for where, box, line in rows:
+            total += 1
+            key = _request_key(line, where)
+            split = split_step_key(key)
+            if split is None:
+                raise ShardExchangeError(
+                    f"{where}: row {key!r} is not a step of a conversation (`turns: every` writes `<key>:step-N`): "
+                    "a part of another mode's run; use a new namespace"
+                )
+            conv, step = split
+            order.setdefault(conv)
+            if kind == "completions":
+                c = Completion.from_json(line)
+                merged.conversations.setdefault(conv, c.prompt_id)
+                lines.setdefault(conv, {}).setdefault(step, []).append(_StepLine(line, box, c))
+            else:
+                merged.conversations.setdefault(conv, str(json.loads(line).get("prompt_id", "?")))
+                reject_lines.setdefault(conv, {}).setdefault(step, []).append((line, box))
+    kept = 0
+    for conv in order:
+        steps, rejected = lines.get(conv, {}), reject_lines.get(conv, {})
+        settled, chain = _chain(steps, set(rejected), enable_thinking)
+        ended = bool(chain) and chain[-1].step.outcome is not None
+        for s in chain:
+            merged.completions[s.step.request_key] = s.line
+            merged.rows_by_box[s.box] += 1
+        kept += len(chain)
+        if not ended and len(chain) in rejected:
+            line, box = rejected[len(chain)][0]
+            merged.rejects[_request_key(line, "")] = line
+            merged.rows_by_box[box] += 1
+            kept += 1
+        if settled:
+            merged.settled.add(conv)
+        chosen = {s.generation for s in chain}
+        other = [s for n, group in steps.items() for s in group if s.generation not in chosen]
+        if other:
+            merged.conflicts.append(
+                f"conversation {merged.conversations[conv]} ({conv}): two owners generated it differently; kept "
+                f"{len(chain)} step lines (boxes {', '.join(sorted({s.box for s in chain}))}), dropped "
+                f"{len(other)} lines of another generation (steps {', '.join(str(s.step.step) for s in other)}, "
+                f"boxes {', '.join(sorted({s.box for s in other}))})"
+            )
+    merged.duplicates = total - kept
+    return merged
+
+
 class ShardExchange:
     """One box's (or the parent's) handle on a namespace's run state in S3."""
 
@@ -146,7 +273,11 @@ class ShardExchange:
         owner: str,
         lease_s: float = 120.0,
         clock: Callable[[], float] = time.time,
+        turns: Literal["every", "last"] = "last",
+        enable_thinking: bool = True,
     ) -> None:
+        """`turns`, `enable_thinking`: the run's (`turns: every` merges rows per conversation; thinking decides
+        what a step's generated turn looks like in the next step's history)."""
         if not owner.isalnum():
             raise ValueError(f"owner token must be letters and digits (it is part of object names): {owner!r}")
         self.store = store
@@ -155,6 +286,8 @@ class ShardExchange:
         self.owner = owner
         self.lease_s = lease_s
         self.clock = clock
+        self.turns = turns
+        self.enable_thinking = enable_thinking
         self.root = f"{RUNS_PREFIX}/{namespace}"
 
     # --- names ---------------------------------------------------------------------------------------
@@ -280,25 +413,35 @@ class ShardExchange:
 
     # --- checkpoint parts ----------------------------------------------------------------------------
 
-    def read_rows(self, shard_id: int) -> ShardRows:
-        """Every row of the shard's parts, deduped by request_key (completion over reject, then first part)."""
-        merged = ShardRows()
-        parts: dict[str, list[str]] = {kind: [] for kind in _KINDS}
+    def _part_rows(self, shard_id: int) -> dict[str, list[tuple[str, str, str]]]:
+        """Each kind's rows of the shard's parts, in part key order: (part URI, box, line)."""
+        out: dict[str, list[tuple[str, str, str]]] = {}
         for kind in _KINDS:
-            parts[kind] = sorted(o.key for o in self.store.list(self.parts_prefix(shard_id, kind)))
+            out[kind] = []
+            for key in sorted(o.key for o in self.store.list(self.parts_prefix(shard_id, kind))):
+                for line in self.store.get_bytes(key).decode("utf-8").splitlines():
+                    if line.strip():
+                        out[kind].append((self.store.uri(key), _part_box(key), line))
+        return out
+
+    def read_rows(self, shard_id: int) -> ShardRows:
+        """Every row of the shard's parts, deduped by request_key (completion over reject, then first part).
+
+        `turns: every`: one chain of step lines per conversation (`merge_steps`).
+        """
+        parts = self._part_rows(shard_id)
+        if self.turns == "every":
+            return merge_steps(parts["completions"], parts["rejects"], self.enable_thinking)
+        merged = ShardRows()
         for kind in _KINDS:
             target = merged.completions if kind == "completions" else merged.rejects
-            for key in parts[kind]:
-                box = _part_box(key)
-                for line in self.store.get_bytes(key).decode("utf-8").splitlines():
-                    if not line.strip():
-                        continue
-                    request = _request_key(line, self.store.uri(key))
-                    if request in merged.completions or request in target:
-                        merged.duplicates += 1
-                        continue
-                    target[request] = line
-                    merged.rows_by_box[box] += 1
+            for where, box, line in parts[kind]:
+                request = _request_key(line, where)
+                if request in merged.completions or request in target:
+                    merged.duplicates += 1
+                    continue
+                target[request] = line
+                merged.rows_by_box[box] += 1
         # A request completed by one box and rejected by another (both ran it after a lease takeover): keep one.
         for request in set(merged.rejects) & set(merged.completions):
             del merged.rejects[request]
@@ -308,13 +451,25 @@ class ShardExchange:
     def restore_checkpoint(self, shard_id: int, layout: RunLayout) -> set[str]:
         """Merge the shard's S3 parts into its local checkpoint (keeping local-only rows); return the keys in S3.
 
-        Afterwards generate_shard's ledger skips every request any box already finished.
+        Afterwards generate_shard's ledger skips every request any box already finished. `turns: every`: each
+        conversation's chain is chosen over the parts' lines and then the local ones (`merge_steps`), so the
+        ledger resumes it after its last kept step; the keys returned are those whose kept line S3 holds.
         """
+        completions_path, rejects_path = layout.shard_completions(shard_id), layout.shard_rejects(shard_id)
+        if self.turns == "every":
+            parts = self._part_rows(shard_id)
+            merged = merge_steps(
+                [*parts["completions"], *((str(completions_path), "", line) for line in _local_rows(completions_path))],
+                [*parts["rejects"], *((str(rejects_path), "", line) for line in _local_rows(rejects_path))],
+                self.enable_thinking,
+            )
+            write_lines(completions_path, merged.completions.values())
+            write_lines(rejects_path, merged.rejects.values())
+            in_s3 = {line for kind in _KINDS for _, _, line in parts[kind]}
+            rows = {**merged.completions, **merged.rejects}
+            return {key for key, line in rows.items() if line in in_s3}
         remote = self.read_rows(shard_id)
-        for kind, path in (
-            ("completions", layout.shard_completions(shard_id)),
-            ("rejects", layout.shard_rejects(shard_id)),
-        ):
+        for kind, path in (("completions", completions_path), ("rejects", rejects_path)):
             rows = dict(remote.completions if kind == "completions" else remote.rejects)
             for line in _local_rows(path):
                 request = _request_key(line, str(path))
@@ -342,7 +497,12 @@ class ShardExchange:
         `memory_plan`: this box's plan (flags, running requests, from its own GPU probe), for the run's lineage.
         """
         remote = self.read_rows(result.shard_id)
-        if len(remote.keys) != result.n_prompts:
+        if self.turns == "every" and len(remote.settled) != result.n_prompts:
+            raise IncompleteShard(
+                f"shard {result.shard_id}: S3 parts settle {len(remote.settled)} of {result.n_prompts} conversations "
+                "after the final upload; not marking it done"
+            )
+        if self.turns != "every" and len(remote.keys) != result.n_prompts:
             raise IncompleteShard(
                 f"shard {result.shard_id}: S3 parts hold {len(remote.keys)} of {result.n_prompts} requests "
                 "after the final upload; not marking it done"
@@ -372,20 +532,31 @@ class ShardExchange:
 
     # --- collecting (parent) -------------------------------------------------------------------------
 
-    def collect_shard(self, shard_id: int, layout: RunLayout, expected_keys: set[str]) -> CollectedShard:
-        """Write the shard's merged rows into the local checkpoint files; they must hold exactly expected_keys."""
+    def collect_shard(
+        self, shard_id: int, layout: RunLayout, expected_keys: set[str] | dict[str, str]
+    ) -> CollectedShard:
+        """Write the shard's merged rows into the local checkpoint files; they must hold exactly expected_keys.
+
+        `turns: every`: expected_keys are the shard's conversation keys (a dict: each one's prompt id, for the
+        messages), and every conversation must be settled by its kept chain (tasks/generation_turns.read_ledger
+        reads the files written here, as a rerun of the shard would).
+        """
         if self.store.head(self.done_key(shard_id)) is None:
             raise IncompleteShard(f"shard {shard_id} has no done marker at {self.store.uri(self.done_key(shard_id))}")
         rows = self.read_rows(shard_id)
-        missing, extra = expected_keys - rows.keys, rows.keys - expected_keys
-        if missing or extra:
-            raise IncompleteShard(
-                f"shard {shard_id}: parts hold {len(rows.keys)} requests; {len(missing)} of the shard's "
-                f"{len(expected_keys)} are missing and {len(extra)} do not belong to it (spec or model changed?)"
-            )
         completions_path, rejects_path = layout.shard_completions(shard_id), layout.shard_rejects(shard_id)
-        write_lines(completions_path, rows.completions.values())
-        write_lines(rejects_path, rows.rejects.values())
+        if self.turns == "every":
+            self._check_conversations(shard_id, rows, completions_path, rejects_path, expected_keys)
+        else:
+            expected = set(expected_keys)
+            missing, extra = expected - rows.keys, rows.keys - expected
+            if missing or extra:
+                raise IncompleteShard(
+                    f"shard {shard_id}: parts hold {len(rows.keys)} requests; {len(missing)} of the shard's "
+                    f"{len(expected)} are missing and {len(extra)} do not belong to it (spec or model changed?)"
+                )
+            write_lines(completions_path, rows.completions.values())
+            write_lines(rejects_path, rows.rejects.values())
         data = completions_path.read_bytes()
         tokens = sum(int(json.loads(line)["completion_tokens"]) for line in rows.completions.values())
         result = ShardResult(
@@ -399,7 +570,45 @@ class ShardExchange:
             output_tokens=tokens,
             completions_sha256=hashlib.sha256(data).hexdigest(),
         )
-        return CollectedShard(result=result, duplicates_dropped=rows.duplicates, rows_by_box=dict(rows.rows_by_box))
+        for conflict in rows.conflicts:
+            logger.warning("shard %d: %s", shard_id, conflict)
+        return CollectedShard(
+            result=result,
+            duplicates_dropped=rows.duplicates,
+            rows_by_box=dict(rows.rows_by_box),
+            conflicts=rows.conflicts,
+        )
+
+    def _check_conversations(
+        self,
+        shard_id: int,
+        rows: ShardRows,
+        completions_path: Path,
+        rejects_path: Path,
+        expected: set[str] | dict[str, str],
+    ) -> None:
+        """`turns: every`: write the kept chains, then every expected conversation must be settled in them."""
+        extra = set(rows.conversations) - set(expected)
+        if extra:
+            raise IncompleteShard(
+                f"shard {shard_id}: parts hold steps of {len(extra)} conversations that are not the shard's, e.g. "
+                f"{rows.conversations[min(extra)]} (spec or model changed?)"
+            )
+        write_lines(completions_path, rows.completions.values())
+        write_lines(rejects_path, rows.rejects.values())
+        ledgers = read_ledger(completions_path, rejects_path, set(expected))
+        unsettled = [key for key in expected if key not in ledgers or not ledgers[key].settled]
+        if unsettled:
+
+            def name(key: str) -> str:
+                steps = len(ledgers[key].lines) if key in ledgers else 0
+                pid = expected.get(key, key) if isinstance(expected, dict) else rows.conversations.get(key, key)
+                return f"{pid} ({steps} step lines, no outcome or reject)"
+
+            raise IncompleteShard(
+                f"shard {shard_id}: {len(unsettled)} of its {len(expected)} conversations are not settled in the "
+                f"parts (steps missing after the last one kept): " + "; ".join(name(k) for k in unsettled[:5])
+            )
 
 
 class CheckpointSync:

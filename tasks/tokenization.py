@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from itertools import chain
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import pyarrow as pa
@@ -29,7 +29,13 @@ from pydantic import BaseModel, Field
 
 from datagen.chat import ChatTokenizer, TemplateError
 from datagen.checkpoint import read_lines
-from datagen.conversation_export import ConversationWriter, assistant_turn, conversation_record, steps_record
+from datagen.conversation_export import (
+    ConversationWriter,
+    assistant_turn,
+    assistant_view,
+    conversation_record,
+    steps_record,
+)
 from datagen.dataset_card import DatasetSizes
 from datagen.quality import NO_CATEGORY, TokenDistribution, completion_body
 from datagen.records import REJECT_SCHEMA, TOKEN_ROW_SCHEMA, Completion, Message, Reject, TokenRow
@@ -185,12 +191,6 @@ def build_rerendered(c: Completion, chat: ChatTokenizer, enable_thinking: bool) 
     return _row(c, ids, mask, n_prompt)
 
 
-def _assistant_view(m: Message) -> tuple[str, str | None, list[tuple[str, Any]]]:
-    """What the template renders of an assistant turn: text, reasoning, calls (ids are the engine's business)."""
-    calls = [(c.name, c.arguments) for c in m.tool_calls or ()]
-    return m.text, m.reasoning_content, calls
-
-
 def build_segment_row(
     seg: Segment, chat: ChatTokenizer, enable_thinking: bool, earlier: list[Message]
 ) -> tuple[TokenRow, list[Message]]:
@@ -209,8 +209,8 @@ def build_segment_row(
     mask: list[int] = []
     for j, c in enumerate(seg.steps):
         at = where(c)
-        history = [_assistant_view(m) for m in c.messages if m.role == "assistant"]
-        if history != [_assistant_view(m) for m in turns]:
+        history = [assistant_view(m) for m in c.messages if m.role == "assistant"]
+        if history != [assistant_view(m) for m in turns]:
             raise RowRejected(
                 "history_mismatch",
                 f"{at}: the history holds {len(history)} assistant turns that are not the {len(turns)} generated "
