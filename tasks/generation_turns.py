@@ -215,7 +215,8 @@ class _ShardConversations:
         self.completions = CheckpointAppender(self.completions_path, self.flush_interval_s)
         self.rejects = CheckpointAppender(self.rejects_path, self.flush_interval_s)
         try:
-            self._generate(iter(todo), ledgers)
+            if todo:  # nothing to open: the checkpoint (or a pilot's import) settled every conversation
+                self._generate(iter(todo), ledgers)
         finally:
             for fut in self.inflight:
                 fut.cancel()  # only queued ones cancel; what runs finishes on the servers, unrecorded

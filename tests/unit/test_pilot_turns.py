@@ -200,18 +200,12 @@ def test_a_main_run_imports_every_step_of_the_pilots_conversations(tmp_path: Pat
     assert not last.shard_completions(0).exists() or last.shard_completions(0).read_text() == ""
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tasks/generation_turns.py: _open_next asserts a dispatcher before it finds nothing to open (helper i21e's "
-    "module; reported, not fixed here): remove this mark with the fix",
-)
 def test_a_main_run_whose_every_conversation_the_pilot_settled_generates_nothing_and_needs_no_servers(
     tmp_path: Path,
 ) -> None:
     """A pilot that sampled the whole set settles every conversation of the main run: the flow starts no servers
-    (dispatcher None) and the shard must come back as a result, as in `last` mode. (Fails: AssertionError in
-    generation_turns._open_next, which asserts a dispatcher before finding nothing to open; met by
-    tests/e2e/test_plan_trial_flow.py under the default `turns: every`.)"""
+    (dispatcher None) and the shard must come back as a result, as in `last` mode. (Failed before the fix with an
+    AssertionError in generation_turns._open_next, met by tests/e2e/test_plan_trial_flow.py under `turns: every`.)"""
     from tasks.generation import generate_shard
 
     prompts = tmp_path / "p.jsonl"
