@@ -529,7 +529,11 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
     )
     published = publish_dataset(spec, layout, store, lineage, dry_run)
     clock.mark("publish")
-    dataset_link = report.dataset_link(store, published.uri, settings.s3_console_url)
+    dataset_link = (  # a dry run published nothing: no card to open
+        published.uri
+        if dry_run
+        else report.dataset_link(store, published.uri, settings.s3_console_url, settings.s3_link_expiry_s)
+    )
     create_link_artifact(
         link=dataset_link,
         link_text=f"dataset {spec.namespace}: {tokenized.n_rows:,} rows, {report.human_bytes(published.bytes)}",
