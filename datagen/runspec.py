@@ -289,7 +289,7 @@ class RunSpec(BaseModel):
     served_model_name: str = Field(
         "qwen3.6-27b", title="Advanced: Served Model Name", description="Name the servers report (no ':')."
     )
-    # One JSON box each in the form (datagen.form_schema): 17 thresholds drawn field by field were a third of it.
+    # One JSON box each in the form (datagen.form_schema): 17 thresholds drawn field by field were a quarter of it.
     validation: Annotated[ValidationSpec, WithJsonSchema(json_box(ValidationSpec))] = Field(
         default_factory=ValidationSpec,
         title="Advanced: Validation",
