@@ -176,6 +176,8 @@ def test_run_started_from_the_ui_form_completes(ui_stack: UiStack, tmp_path: Pat
             page.screenshot(path=str(SCREENSHOTS / "run-form.png"))
             page.get_by_text("Source Targets", exact=False).first.scroll_into_view_if_needed()
             page.screenshot(path=str(SCREENSHOTS / "run-form-targets.png"))
+            page.get_by_text("Advanced: Validation (Optional)", exact=True).scroll_into_view_if_needed()
+            page.screenshot(path=str(SCREENSHOTS / "run-form-advanced.png"))
 
             def fill(label: str, value: str) -> None:
                 box = page.get_by_label(label, exact=True)
