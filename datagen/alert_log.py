@@ -6,7 +6,8 @@ automation with a custom-webhook block that posts to it. The Prefect server (on 
 there, and the listener appends one line to `alerts.log` in the state directory:
 
     2026-12-04T14:30:05Z expand expansion_v3 · coral-anaconda (manual) ended Failed | failing task: check
-    environment-4a1: EnvironmentCheckFailed: ... | http://127.0.0.1:4200/v2/runs/flow-run/<id>    (one line)
+    environment: engine.attention_backend: ... | why, with links: http://127.0.0.1:4200/v2/artifacts/artifact/<id>
+    | http://127.0.0.1:4200/v2/runs/flow-run/<id>                                                  (one line)
 
     python -m datagen.alert_log start --state-dir .datagen/laptop   # PREFECT_API_URL (+ auth) in the environment
     python -m datagen.alert_log stop --state-dir .datagen/laptop
@@ -45,6 +46,7 @@ LINE_TEMPLATE = (
     "{% if event.payload.failed_task %}failing task: {{ event.payload.failed_task }}: {{ event.payload.task_message }}"
     "{% elif 'Crashed' in event.event %}no failing task: the run crashed (its process or box went away)"
     "{% else %}failed outside a task: {{ flow_run.state.message }}{% endif %} | "
+    "{% if event.payload.report_url %}why, with links: {{ event.payload.report_url }} | {% endif %}"
     "{% if flow_run|ui_url %}{{ flow_run|ui_url }}{% else %}flow run {{ flow_run.id }}{% endif %}"
 )
 

@@ -2,9 +2,9 @@
 
 How it fits together:
 
-- Every deployed flow has `on_failure=[announce_failure]`. When a run ends Failed, the hook looks up the
-  run's failed task runs and emits one event, `datagen.flow-run.failed`, whose payload holds the failing
-  task's name and message (a run's own state message only says which exception ended it).
+- Every deployed flow has `on_failure=[announce_failure]`. When a run ends Failed, the hook emits one event,
+  `datagen.flow-run.failed`, whose payload holds the failing task's name and the short reason, as
+  `datagen.failure` finds them from the exception that ended the run (the run's state message says the same).
 - A crashed run (worker killed, box gone) runs no hook; Prefect's server emits `prefect.flow-run.Crashed`.
 - One automation (`AUTOMATION_NAME`) reacts to either event of any deployment's run and sends a
   notification through a Prefect notification block (Slack, Teams, e-mail, a custom webhook, ...).
@@ -22,6 +22,8 @@ import argparse
 import sys
 from typing import Any
 from uuid import UUID
+
+from datagen import failure
 
 __all__ = [
     "AUTOMATION_NAME",
@@ -42,47 +44,26 @@ NOTIFICATION_SUBJECT = "datagen: {{ flow_run.name }} {{ flow_run.state.name }}"
 NOTIFICATION_BODY = """\
 Run "{{ flow_run.name }}" of deployment "{{ deployment.name }}" ({{ flow.name }}) ended {{ flow_run.state.name }}.
 {% if event.payload.failed_task %}Failing task: {{ event.payload.failed_task }}
-Task message: {{ event.payload.task_message }}
 {% elif 'Crashed' in event.event %}Failing task: none (the run crashed: its process or box went away)
 {% else %}Failing task: none (the run failed outside a task)
 {% endif %}Run message: {{ flow_run.state.message }}
-{% if flow_run|ui_url %}Open it: {{ flow_run|ui_url }} (the message is in the run page's Details tab)
+{% if event.payload.report_url %}Why, with links (the reason is the page's first line): {{ event.payload.report_url }}
+{% endif %}{% if flow_run|ui_url %}Open it: {{ flow_run|ui_url }} (the message is in the run page's Details tab)
 {% else %}Flow run id: {{ flow_run.id }} (set PREFECT_UI_URL on the server for a link)
 {% endif %}"""
-
-
-def _failed_tasks(flow_run_id: UUID) -> list[tuple[str, str]]:
-    """(task run name, state message) of the run's failed task runs, earliest end first."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterId,
-        TaskRunFilter,
-        TaskRunFilterState,
-        TaskRunFilterStateType,
-    )
-    from prefect.client.schemas.objects import StateType
-
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
-            task_run_filter=TaskRunFilter(
-                state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.FAILED]))
-            ),
-        )
-    runs.sort(key=lambda r: (r.end_time or r.expected_start_time or r.created) if r else 0)  # type: ignore[arg-type,return-value]
-    return [(r.name, (r.state.message if r.state else "") or "") for r in runs]
 
 
 def announce_failure(flow: Any, flow_run: Any, state: Any) -> None:
     """`on_failure` hook: emit `datagen.flow-run.failed` naming the failing task and its message."""
     from prefect.events import emit_event
 
+    # The state holds the exception that ended the run (datagen.failure.reported): the task it came from.
+    failed = failure.of_state(state, getattr(flow, "name", "the flow")) if state is not None else None
     try:
-        failed = _failed_tasks(flow_run.id)
-    except Exception as exc:  # the notification still goes out, without the task
-        failed = []
-        print(f"datagen.alerts: could not read the failed task runs: {exc}", file=sys.stderr)
+        report = failure.report_url(flow_run.id) or ""
+    except Exception as exc:  # the notification still goes out, without the link
+        report = ""
+        print(f"datagen.alerts: could not read the run-failure artifact: {exc}", file=sys.stderr)
     related: list[dict[str, str]] = []
     if getattr(flow_run, "deployment_id", None):
         related.append(
@@ -92,15 +73,14 @@ def announce_failure(flow: Any, flow_run: Any, state: Any) -> None:
             }
         )
     related.append({"prefect.resource.id": f"prefect.flow.{flow_run.flow_id}", "prefect.resource.role": "flow"})
-    name, message = failed[0] if failed else ("", "")
     emit_event(
         event=FAILED_EVENT,
         resource={"prefect.resource.id": f"prefect.flow-run.{flow_run.id}", "prefect.resource.name": flow_run.name},
         related=related,
         payload={
-            "failed_task": name,
-            "task_message": message,
-            "other_failed_tasks": [n for n, _ in failed[1:]],
+            "failed_task": (failed.task or "") if failed else "",
+            "task_message": failed.reason if failed else "",
+            "report_url": report,
             "message": (state.message or "") if state is not None else "",
         },
     )

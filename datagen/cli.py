@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-__all__ = ["apply_overrides", "failure_line", "load_spec", "main", "summary_text"]
+__all__ = ["apply_overrides", "load_spec", "main", "summary_text"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FLOW_PARAMETERS = frozenset({"spec", "dry_run"})  # expand-dataset's parameters, as a deployment run takes them
@@ -127,6 +127,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except Exception as exc:
         if args.verbose:
             raise
+        from datagen.failure import reason
         from datagen.quality import QualityGateError
         from datagen.settings import Settings
 
@@ -135,23 +136,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
             print(f"datagen: run failed: {exc.report.text}", file=sys.stderr)
             return 1
         # The flow's log (and the Prefect UI) already holds the full trace: one line here says what to fix.
-        print(f"datagen: run failed: {failure_line(exc, Settings().work_dir)}", file=sys.stderr)
+        print(f"datagen: run failed: {reason(exc, Settings().work_dir)}", file=sys.stderr)
         print("datagen: the full trace is in the flow's log above; `datagen run --verbose` raises it", file=sys.stderr)
         return 1
     print(summary_text(report))
     return 0
-
-
-def failure_line(exc: BaseException, work_dir: Path) -> str:
-    """One line for a failed run: the error's own message (ours name what to fix), its type when it has none."""
-    from datagen.diskspace import full_disk_message
-
-    disk = full_disk_message(exc, work_dir)
-    if disk is not None:
-        return disk
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    known = ("datagen.", "tasks.", "flows.")
-    return text if type(exc).__module__.startswith(known) else f"{type(exc).__name__}: {text}"
 
 
 def summary_text(report: dict[str, Any]) -> str:

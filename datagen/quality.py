@@ -525,6 +525,12 @@ class GateReport(BaseModel):
             lines.append("full report: the run's validation-report artifact")
         return "\n".join(lines)
 
+    @property
+    def headline(self) -> str:
+        """One line for the run's state message: how many checks failed, each with its measured value."""
+        failed = "; ".join(f"{c.name}: {c.message}" for c in self.failures)
+        return f"{len(self.failures)} of {len(self.checks)} checks failed: {failed}" if failed else "passed"
+
     def raise_if_failed(self) -> None:
         """Raise QualityGateError (carrying this report) when any check failed."""
         if not self.passed:
@@ -535,9 +541,10 @@ class QualityGateError(RuntimeError):
     """The dataset failed the quality gate; nothing may be published. `report` holds the evidence."""
 
     def __init__(self, report: GateReport | str) -> None:
-        # Short: it becomes the task's and the run's state message, the first thing the run page shows.
+        # A few lines (the task's state message and the run-failure artifact); `headline` is the run's one line.
         super().__init__(report if isinstance(report, str) else report.summary)
         self.report = report if isinstance(report, GateReport) else None
+        self.headline = report.headline if isinstance(report, GateReport) else None
 
 
 def _clip(text: str, limit: int) -> str:

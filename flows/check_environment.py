@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
+from prefect.cache_policies import NO_CACHE
 
-from datagen import alerts, paths, report
+from datagen import alerts, failure, paths, report
 from datagen.runspec import RunSpec
 from datagen.settings import Settings
 from datagen.storage import ObjectStore, s3_preflight
@@ -14,13 +15,7 @@ from tasks import environment
 __all__ = ["check_environment"]
 
 
-@flow(
-    name="check-environment",
-    flow_run_name=report.run_name("check-environment"),
-    on_failure=[alerts.announce_failure],
-)
-def check_environment(spec: RunSpec = RunSpec(), resume: bool = False) -> list[dict[str, str]]:  # noqa: B008
-    """Run every environment check for `spec` on this box; fail the run if one fails."""
+def _check_environment(spec: RunSpec, resume: bool) -> list[dict[str, str]]:
     settings = Settings()
     paths.secure_run(settings, spec)  # run paths under the box's roots, a private work dir: before anything
     store = ObjectStore.from_settings(settings)
@@ -30,7 +25,19 @@ def check_environment(spec: RunSpec = RunSpec(), resume: bool = False) -> list[d
         table=rows, key="environment-report", description=f"Environment checks on this box for {spec.namespace}"
     )
     get_run_logger().info("\n%s", environment.format_report(results))
-    failed = [r for r in results if r.failed]
-    if failed:
-        raise RuntimeError("environment checks failed:\n" + "\n".join(f"- {r.name}: {r.detail}" for r in failed))
+    environment.raise_if_failed(results)
     return rows
+
+
+# The same name as expand-dataset's task: a failed check reads "check environment failed: ..." in both.
+check_environment_task = task(name="check environment", cache_policy=NO_CACHE)(_check_environment)
+
+
+@flow(
+    name="check-environment",
+    flow_run_name=report.run_name("check-environment"),
+    on_failure=[alerts.announce_failure],
+)
+def check_environment(spec: RunSpec = RunSpec(), resume: bool = False) -> list[dict[str, str]]:  # noqa: B008
+    """Run every environment check for `spec` on this box; fail the run if one fails."""
+    return failure.reported(check_environment_task, spec, resume)

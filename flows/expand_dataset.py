@@ -29,7 +29,7 @@ from prefect.states import Completed
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 import datagen
-from datagen import alerts, catalog, paths, report
+from datagen import alerts, catalog, failure, paths, report
 from datagen.chat import ChatTokenizer
 from datagen.checks import CheckResult
 from datagen.dataset_card import Lineage, write_dataset_card
@@ -59,7 +59,7 @@ from tasks import (
 )
 from tasks.serving import serving
 
-__all__ = ["EnvironmentCheckFailed", "expand_dataset", "finish_dataset", "publish_dataset", "published_before"]
+__all__ = ["expand_dataset", "finish_dataset", "publish_dataset", "published_before"]
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +68,6 @@ log = logging.getLogger(__name__)
 # shards in flight x shard size must stay well above the box's slots (8 servers x ~76 = ~600) even while
 # several shards sit on their last long request; 4 shards drained the servers in the benchmark.
 SHARDS_IN_FLIGHT = 32
-
-
-class EnvironmentCheckFailed(RuntimeError):
-    """One or more environment checks failed; nothing was started."""
 
 
 def _generation_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
@@ -97,11 +93,7 @@ def _check_environment(settings: Settings, spec: RunSpec, store: ObjectStore) ->
         key="environment-report",
         description=f"Environment checks for namespace {spec.namespace}",
     )
-    failed = [r for r in results if r.failed]
-    if failed:
-        raise EnvironmentCheckFailed(
-            "environment checks failed:\n" + "\n".join(f"- {r.name}: {r.detail}" for r in failed)
-        )
+    environment.raise_if_failed(results)
     return results
 
 
@@ -386,6 +378,10 @@ def expand_dataset(spec: RunSpec = RunSpec(), dry_run: bool = False) -> dict[str
         spec: What this run does: prompt sources, model, sampling, sharding and the output namespace.
         dry_run: Do everything except writing to S3 (generate, validate, tokenize), then list what would be published.
     """
+    return failure.reported(_expand_dataset, spec, dry_run)
+
+
+def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
     logger = get_run_logger()
     report.quiet_per_shard_completions()  # no line per shard task run: the progress lines stay readable
     settings = Settings()

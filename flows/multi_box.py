@@ -40,7 +40,7 @@ from prefect.states import Crashed
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 import datagen
-from datagen import alerts, paths
+from datagen import alerts, failure, paths
 from datagen.chat import ChatTokenizer
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.memory_plan import MemoryPlan, PromptTokens
@@ -133,6 +133,16 @@ def generate_on_box(
     `prompt_tokens`/`turns_per_conversation`: the run's prompts as the parent planned them (this box fetches only
     the prompts files, not the render cache), for this box's memory plan on its own GPUs.
     """
+    return failure.reported(_generate_on_box, spec, box, exchange, prompt_tokens, turns_per_conversation)
+
+
+def _generate_on_box(
+    spec: RunSpec,
+    box: str,
+    exchange: ExchangeSpec,
+    prompt_tokens: dict[str, Any] | None,
+    turns_per_conversation: float,
+) -> dict[str, Any]:
     logger = get_run_logger()
     quiet_per_shard_completions()  # no line per shard task run: the progress lines stay readable
     settings = Settings()
@@ -296,11 +306,12 @@ def _wait_for_shards(exchange: ShardExchange, plan: ShardPlan, children: dict[st
     last = -1
     with get_client(sync_client=True) as client:
 
-        def states() -> dict[str, str]:
+        def states() -> dict[str, tuple[str, str]]:
+            """Box -> (state type, state message) of its run."""
             out = {}
             for box, run_id in children.items():
                 state = client.read_flow_run(run_id).state
-                out[box] = state.type.value if state else "PENDING"
+                out[box] = (state.type.value, state.message or "") if state else ("PENDING", "")
             return out
 
         while True:
@@ -312,16 +323,19 @@ def _wait_for_shards(exchange: ShardExchange, plan: ShardPlan, children: dict[st
             if done == wanted:
                 break
             current = states()
-            if all(s in TERMINAL for s in current.values()):
+            if all(s in TERMINAL for s, _ in current.values()):
+                ended = "; ".join(f"{b} {s}" + (f" ({m})" if m else "") for b, (s, m) in current.items())
                 raise ShardExchangeError(
-                    f"every box run ended ({current}) with shards {sorted(wanted - done)} not done; run again with "
+                    f"every box run ended with shards {sorted(wanted - done)} not done: {ended}; run again with "
                     "the same namespace to resume (done shards and uploaded checkpoint parts are kept)"
                 )
             time.sleep(boxes.poll_s)
 
         # A live box ends on its own once it sees every done marker; one that died never reports again.
         deadline = time.monotonic() + boxes.child_exit_grace_s
-        while (pending := {b: s for b, s in states().items() if s not in TERMINAL}) and time.monotonic() < deadline:
+        while (
+            pending := {b: s for b, (s, _) in states().items() if s not in TERMINAL}
+        ) and time.monotonic() < deadline:
             time.sleep(boxes.poll_s)
         for box in pending:
             logger.warning(
@@ -348,6 +362,10 @@ def expand_dataset_multibox(
     dry_run: bool = False,
 ) -> dict[str, Any]:
     """Spread a run's shards over several GPU boxes, then validate, tokenize and publish (never overwriting)."""
+    return failure.reported(_expand_dataset_multibox, spec, boxes, dry_run)
+
+
+def _expand_dataset_multibox(spec: RunSpec, boxes: MultiBoxSpec, dry_run: bool) -> dict[str, Any]:
     logger = get_run_logger()
     quiet_per_shard_completions()  # no line per shard task run: the progress lines stay readable
     started = time.monotonic()

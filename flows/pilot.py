@@ -17,7 +17,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
-from datagen import alerts, paths, report
+from datagen import alerts, failure, paths, report
 from datagen.catalog import published_prompt_ids, repair
 from datagen.chat import ChatTokenizer
 from datagen.engine import plan_trial
@@ -51,6 +51,10 @@ project_task = task(name="project full run", cache_policy=NO_CACHE)(pilot.projec
 )
 def pilot_flow(spec: RunSpec = RunSpec(), pilot_spec: pilot.PilotSpec = pilot.PilotSpec()) -> dict[str, Any]:  # noqa: B008
     """Generate and validate a sample of the run's prompts; project tokens, time, GPU-hours and size for all."""
+    return failure.reported(_pilot, spec, pilot_spec)
+
+
+def _pilot(spec: RunSpec, pilot_spec: pilot.PilotSpec) -> dict[str, Any]:
     logger = get_run_logger()
     settings = Settings()
     paths.secure_run(settings, spec)  # run paths under the box's roots, a private work dir: before anything

@@ -38,8 +38,10 @@ __all__ = [
     "MIN_RAM_PER_SERVER_BYTES",
     "MIN_SHM_FREE_BYTES",
     "MIN_WORK_DIR_FREE_BYTES",
+    "EnvironmentCheckFailed",
     "format_report",
     "memory_plan_for",
+    "raise_if_failed",
     "report_rows",
     "run_checks",
 ]
@@ -226,6 +228,20 @@ def run_checks(
     else:
         results += _guarded("s3", s3_check)
     return results
+
+
+class EnvironmentCheckFailed(RuntimeError):
+    """One or more environment checks failed; nothing was started."""
+
+
+def raise_if_failed(results: list[CheckResult]) -> None:
+    """Raise EnvironmentCheckFailed naming each failed check and its detail (one line each)."""
+    failed = [r for r in results if r.failed]
+    if failed:
+        raise EnvironmentCheckFailed(
+            f"{len(failed)} of {len(results)} environment checks failed:\n"
+            + "\n".join(f"- {r.name}: {_one_line(r.detail)}" for r in failed)
+        )
 
 
 def _one_line(text: str) -> str:

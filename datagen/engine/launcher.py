@@ -97,6 +97,13 @@ class ServerStartError(RuntimeError):
             text += f"\n--- last {len(self.tail)} log lines ---\n" + "\n".join(self.tail)
         super().__init__(text)
 
+    @property
+    def headline(self) -> str:
+        """One line for the run's state message: the server, what happened, the last error line of its log."""
+        errors = [line.strip() for line in self.tail if "error" in line.lower()]
+        last = (errors or [line.strip() for line in self.tail if line.strip()] or [""])[-1]
+        return f"server {self.name} {self.reason}" + (f": {last}" if last else "")
+
 
 class PortInUseError(ServerStartError):
     """Something already listens on a port a server was about to use (a leftover server, say)."""

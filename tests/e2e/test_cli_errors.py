@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from datagen.cli import failure_line
+from datagen.failure import reason
 from datagen.model_fixture import ensure_model_dir
 from datagen.storage import StorageUnreachable
 
@@ -31,21 +31,21 @@ def _enospc() -> OSError:
 def test_full_disk_names_the_work_dir_and_what_to_do(tmp_path: Path) -> None:
     exc = _enospc()
     assert exc.errno == errno.ENOSPC and exc.filename is None
-    line = failure_line(RuntimeError("shard 3 failed"), tmp_path)
+    line = reason(RuntimeError("shard 3 failed"), tmp_path)
     assert line == "RuntimeError: shard 3 failed"
     wrapped = RuntimeError("shard 3 failed")
     wrapped.__cause__ = exc
-    line = failure_line(wrapped, tmp_path / "work")
+    line = reason(wrapped, tmp_path / "work")
     assert f"writing under the work dir {tmp_path / 'work'} (DATAGEN_WORK_DIR)" in line
     assert "GB free of" in line and f"filesystem of {tmp_path}" in line
     assert "run again with the same namespace" in line and "\n" not in line
     named = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "shard-00003.completions.jsonl"))
-    assert f"writing {tmp_path / 'shard-00003.completions.jsonl'}:" in failure_line(named, tmp_path)
+    assert f"writing {tmp_path / 'shard-00003.completions.jsonl'}:" in reason(named, tmp_path)
 
 
 def test_our_errors_are_their_own_message_on_one_line(tmp_path: Path) -> None:
     exc = StorageUnreachable("S3 endpoint http://127.0.0.1:9 is unreachable (EndpointConnectionError)\nduring put")
-    assert failure_line(exc, tmp_path) == (
+    assert reason(exc, tmp_path) == (
         "S3 endpoint http://127.0.0.1:9 is unreachable (EndpointConnectionError) during put"
     )
 
@@ -83,11 +83,13 @@ def test_run_failing_on_s3_prints_one_line_not_a_traceback(tmp_path: Path) -> No
     assert len(failed) == 1, lines[-20:]
     last = lines[failed[0] : failed[0] + 2]
     assert "Traceback" not in "\n".join(lines[failed[0] :])  # nothing after it but Prefect's own shutdown line
-    assert last[0].startswith("datagen: run failed: environment checks failed: - s3.credentials: S3 endpoint "), last
+    # One line: how many checks failed, then each failed check and its detail.
+    assert last[0].startswith("datagen: run failed: 1 of "), last
+    assert " environment checks failed: s3.credentials: S3 endpoint " in last[0], last
     assert "http://127.0.0.1:9 is unreachable" in last[0]
     assert last[1] == "datagen: the full trace is in the flow's log above; `datagen run --verbose` raises it"
     assert "not-a-real-secret" not in quiet.stderr + quiet.stdout
 
     verbose = subprocess.run([*argv, "--verbose"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert verbose.returncode == 1
-    assert "flows.expand_dataset.EnvironmentCheckFailed: environment checks failed:" in verbose.stderr
+    assert "tasks.environment.EnvironmentCheckFailed: 1 of " in verbose.stderr

@@ -369,7 +369,7 @@ def test_unsupported_server_flag_fails_the_environment_check_task_before_any_ser
     assert failed[0]["name"].startswith("check environment"), failed[0]["name"]
     message = failed[0]["state"]["message"]
     assert "engine.attention_backend" in message and "fa3" in message, message
-    assert "engine.attention_backend" in run["state"]["message"], run["state"]["message"]
+    _assert_one_line_reason(stack, flow_run_id, run, "check environment", "engine.attention_backend", "fa3")
     (report,) = [a for a in stack.api.artifacts(flow_run_id) if a["key"] == "environment-report"]
     assert "fa3" in report["data"]
     assert not [t for t in stack.api.task_runs(flow_run_id) if t["name"].startswith("generate")]
@@ -380,6 +380,62 @@ def test_unsupported_server_flag_fails_the_environment_check_task_before_any_ser
     assert "ended Failed" in body and flow_run_id in body, body
     # Issue 25.5: a link to the run that opens the V2 UI (prefect-server.sh sets PREFECT_UI_URL on loopback).
     assert f"{stack.server.url}/v2/runs/flow-run/{flow_run_id}" in body, body
+    # Issue 25.3: and one to the run-failure artifact, whose first line is the reason.
+    (failure,) = [a for a in stack.api.artifacts(flow_run_id) if a["key"] == "run-failure"]
+    assert f"{stack.server.url}/v2/artifacts/artifact/{failure['id']}" in body, body
+
+
+def _assert_one_line_reason(stack: Stack, flow_run_id: str, run: dict[str, Any], task: str, *reason: str) -> str:
+    """Issue 25.3: the run's state message is one line naming the task and why; the log holds the traceback once;
+    the run-failure artifact has the long report with links a browser opens. Returns the artifact's markdown."""
+    message = run["state"]["message"]
+    assert message.startswith(f"{task} failed: "), message
+    assert all(r in message for r in reason), message
+    assert message.endswith("; see the run-failure artifact"), message
+    assert "\n" not in message and "Traceback" not in message and "Error(" not in message, message
+    # The flow's last log line comes after every traceback: wait for it, then count.
+    logs = stack.api.wait_for_log(flow_run_id, "Finished in state Failed")
+    assert logs.count("Traceback (most recent call last)") == 1, logs
+    (artifact,) = [a for a in stack.api.artifacts(flow_run_id) if a["key"] == "run-failure"]
+    report = str(artifact["data"])
+    assert report.startswith(f"# {task} failed: "), report
+    ui = f"{stack.server.url}/v2"
+    assert f"]({ui}/runs/flow-run/{flow_run_id})" in report, report
+    failed_tasks = [t for t in stack.api.task_runs(flow_run_id) if t["state_type"] == "FAILED"]
+    assert [t["id"] for t in failed_tasks] == [
+        t["id"] for t in failed_tasks if f"{ui}/runs/task-run/{t['id']}" in report
+    ]
+    others = [a for a in stack.api.artifacts(flow_run_id) if a["key"] and a["key"] != "run-failure"]
+    assert others, "the run made no other artifact to link"
+    for other in others:
+        assert f"[{other['key']}]({ui}/artifacts/artifact/{other['id']})" in report, (other["key"], report)
+    return report
+
+
+def test_quality_gate_failure_is_one_line_naming_the_task_with_the_report_in_an_artifact(stack: Stack) -> None:
+    # The stand-in answers in ~24 tokens: a gate that wants a median of 1000 fails, after generation.
+    gate = {"max_reject_rate": 1.0, "max_short_share": 1.0, "min_median_completion_tokens": 1000}
+    flow_run_id = _start(stack, "manual", {"spec": fast_spec(stack, "prefect-e2e-gate", quality_gate=gate)})
+    run = stack.api.wait_for_flow_run(flow_run_id, RUN_TIMEOUT_S, diagnostics=stack.worker_log)
+    assert run["state_type"] == "FAILED", _failure_report(stack, flow_run_id, run)
+    report = _assert_one_line_reason(
+        stack, flow_run_id, run, "quality gate", "1 of 4 checks failed: median_completion_tokens: median completion is "
+    )
+    # The reject files are pointed at by the validation-report artifact, never by worker-local paths.
+    message = run["state"]["message"]
+    assert "validation-report" in report and str(stack.root) not in report + message, report
+    assert not stack.store.exists("prefect-e2e-gate/")
+
+
+def test_environment_check_deployment_fails_naming_the_check(stack: Stack) -> None:
+    # A model directory that is no model: the check-environment deployment's one task fails, saying which check.
+    empty_model = stack.root / "not-a-model"
+    empty_model.mkdir(exist_ok=True)
+    spec = fast_spec(stack, "envcheck-bad-model", model_path=str(empty_model))
+    flow_run_id = _start(stack, "environment-check", {"spec": spec}, flow="check-environment")
+    run = stack.api.wait_for_flow_run(flow_run_id, RUN_TIMEOUT_S, diagnostics=stack.worker_log)
+    assert run["state_type"] == "FAILED", _failure_report(stack, flow_run_id, run)
+    _assert_one_line_reason(stack, flow_run_id, run, "check environment", "environment checks failed: model_dir.")
 
 
 def test_server_that_dies_at_startup_fails_the_run_with_its_log_lines(stack: Stack) -> None:
@@ -398,12 +454,14 @@ def test_server_that_dies_at_startup_fails_the_run_with_its_log_lines(stack: Sta
     with prefect_worker(stack.server, stack.root / "hopper-claims-home", worker_log, box_env):
         flow_run_id = _start(stack, "manual", {"spec": spec}, work_queue="hopper-claims")
         run = stack.api.wait_for_flow_run(flow_run_id, RUN_TIMEOUT_S, diagnostics=worker_log)
+        # Logs ship in batches after the state: stopping the worker now would stop its run's process before.
+        logs = stack.api.wait_for_log(flow_run_id, "Finished in state Failed")
     assert run["state_type"] == "FAILED", _failure_report(stack, flow_run_id, run)
     # SGLang's (and the stand-in's) own words, from the server log's tail, in the run's state and logs.
     server_line = "backends are supported on Blackwell GPUs for hybrid GDN models. Got fa3"
     message = run["state"]["message"]
-    assert "ServerStartError" in message and server_line in message, message
-    assert server_line in stack.api.wait_for_log(flow_run_id, server_line)
+    assert message.startswith("start servers failed: server ") and server_line in message, message
+    assert server_line in logs, logs
     # The environment check passed (it believed the box was Hopper); the failure is the server's.
     task_states = {t["name"].rsplit("-", 1)[0]: t["state_type"] for t in stack.api.task_runs(flow_run_id)}
     assert task_states.get("check environment") == "COMPLETED", task_states

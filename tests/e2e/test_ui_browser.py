@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from playwright.sync_api import Page, sync_playwright
+from playwright.sync_api import Page, expect, sync_playwright
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from datagen import alert_log
@@ -354,10 +354,16 @@ def test_failed_run_page_shows_the_failing_task_and_message(ui_stack: UiStack, t
     run = ui_stack.api.wait_for_flow_run(flow_run_id, RUN_TIMEOUT_S, diagnostics=ui_stack.worker_log)
     assert run["state_type"] == "FAILED", run["state"]
     assert run["name"].startswith("expand ui-failed-run · "), run["name"]
+    message = run["state"]["message"]
+    assert message.startswith("check environment failed: ") and "engine.attention_backend" in message, message
+    line = message.removesuffix("; see the run-failure artifact")
+    (failure,) = [a for a in ui_stack.api.artifacts(flow_run_id) if a["key"] == "run-failure"]
     # Issue 25.5: the laptop had no alert. One line in alerts.log names the run, the failing task and links the run.
-    line = _wait_for_alert(ui_stack.alerts_log, run["name"])
-    assert "ended Failed | failing task: check environment" in line and "engine.attention_backend" in line, line
-    assert line.rstrip().endswith(f"{ui_stack.server.url}/v2/runs/flow-run/{flow_run_id}"), line
+    alert = _wait_for_alert(ui_stack.alerts_log, run["name"])
+    assert "ended Failed | failing task: check environment" in alert and "engine.attention_backend" in alert, alert
+    assert f"| why, with links: {ui_stack.server.url}/v2/artifacts/artifact/{failure['id']} |" in alert, alert
+    assert alert.rstrip().endswith(f"{ui_stack.server.url}/v2/runs/flow-run/{flow_run_id}"), alert
+    print(f"alert line: {alert}")
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch_persistent_context(
@@ -368,15 +374,28 @@ def test_failed_run_page_shows_the_failing_task_and_message(ui_stack: UiStack, t
         )
         page = browser.new_page()
         try:
-            _log_in(page, ui_stack, f"/v2/runs/flow-run/{flow_run_id}")
-            page.get_by_text("expand ui-failed-run").first.wait_for(timeout=60_000)
+            # The link the failure alert sends (datagen.failure.report_url): the run-failure artifact's page.
+            _log_in(page, ui_stack, f"/v2/artifacts/artifact/{failure['id']}")
+            heading = page.get_by_role("heading", name=line, exact=True)
+            heading.wait_for(timeout=60_000)
+            # Issue 25.3: the first thing on the page, above the fold, is the failing task and the reason.
+            expect(heading).to_be_in_viewport(timeout=30_000)
+            text = page.inner_text("main") if page.locator("main").count() else page.inner_text("body")
+            first = text[: text.index(line)]
+            assert "check environment" not in first and "attention" not in first, first  # nothing said before it
+            assert text.index(line) < text.index("Failing task") < text.index("The error, in full"), text
+            page.screenshot(path=str(SCREENSHOTS / "failed-run-reason.png"))
+
+            # Its links open in the browser: the run (the same line is the Details tab's State Message) ...
+            page.get_by_test_id("markdown-display").get_by_role("link", name=run["name"], exact=True).click()
+            page.wait_for_url(f"**/runs/flow-run/{flow_run_id}**", timeout=30_000)
             page.get_by_text("Failed", exact=True).first.wait_for(timeout=60_000)
-            # The page opens on Logs: the failure's exception is there once the logs have loaded.
-            page.get_by_text("EnvironmentCheckFailed", exact=False).first.wait_for(timeout=60_000)
+            # Prefect's router opens a run on its Logs tab (the `tab` search parameter defaults to Logs; DEPLOY.md).
+            assert page.get_by_role("tab", name="Logs").get_attribute("aria-selected") == "true"
+            page.get_by_text("Task run failed with exception", exact=False).first.wait_for(timeout=60_000)
             page.screenshot(path=str(SCREENSHOTS / "failed-run.png"))
-            # Prefect 3.9's UI shows the state message in the Details tab (DEPLOY.md says so).
             page.get_by_role("tab", name="Details").click()
-            page.get_by_text("engine.attention_backend", exact=False).first.wait_for(timeout=30_000)
+            page.get_by_text(message, exact=True).first.wait_for(timeout=30_000)
             page.screenshot(path=str(SCREENSHOTS / "failed-run-details.png"))
         except (AssertionError, PlaywrightTimeout):
             page.screenshot(path=str(ui_stack.artifacts_dir / "ui-failure-failed-run.png"), full_page=True)
