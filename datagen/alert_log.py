@@ -5,9 +5,9 @@ none of those. `start` runs a small HTTP listener on 127.0.0.1 in the background
 automation with a custom-webhook block that posts to it. The Prefect server (on the same laptop) sends each alert
 there, and the listener appends one line to `alerts.log` in the state directory:
 
-    2026-12-04T14:30:05Z expand expansion_v3 · coral-anaconda (manual) ended Failed | failing task: check
-    environment: engine.attention_backend: ... | why, with links: http://127.0.0.1:4200/v2/artifacts/artifact/<id>
-    | http://127.0.0.1:4200/v2/runs/flow-run/<id>                                                  (one line)
+    2026-12-04T14:37:52Z expand ui-failed-run · esoteric-echidna (manual) ended Failed | failing task: check
+    environment: 1 of 24 environment checks failed: engine.attention_backend: ... | why, with links:
+    http://127.0.0.1:4200/v2/artifacts/artifact/<id> | http://127.0.0.1:4200/v2/runs/flow-run/<id>   (one line)
 
     python -m datagen.alert_log start --state-dir .datagen/laptop   # PREFECT_API_URL (+ auth) in the environment
     python -m datagen.alert_log stop --state-dir .datagen/laptop
@@ -102,8 +102,8 @@ def start(state_dir: Path) -> str:
     """Start the listener in the background unless it runs, install the automation posting to it; its URL."""
     state_dir.mkdir(parents=True, exist_ok=True)
     port_file = state_dir / _PORT_NAME
-    if _running_pid(state_dir) is None:
-        port_file.unlink(missing_ok=True)
+    if _running_pid(state_dir) is None or not port_file.is_file():
+        stop(state_dir)  # a listener whose port is not known is of no use
         command = [sys.executable, "-m", "datagen.alert_log", "serve", "--state-dir", str(state_dir)]
         with (state_dir / "alert-log.err").open("ab") as err:
             proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)

@@ -157,13 +157,15 @@ def test_run_started_from_the_ui_form_completes(ui_stack: UiStack, tmp_path: Pat
 
             _log_in(page, ui_stack, f"/v2/deployments/deployment/{deployment['id']}/run")
             page.get_by_label("Namespace (Optional)", exact=True).wait_for()
+            # The JSON boxes are code editors that draw a moment after the fields: wait for their values.
+            editors = page.locator(".cm-content")
+            expect(editors.first).to_contain_text('"min_answer_tokens": 0', timeout=30_000)
+            expect(editors.nth(1)).to_contain_text('"max_reject_rate": 1', timeout=30_000)
             form_text = page.inner_text("body")
             # Descriptions reach the form whole: no "</think>" for the UI to swallow, dry_run explained.
             assert "Do everything except writing to S3" in form_text, form_text[:3000]
             # Optional fields are plain inputs (issue 25.5: each showed a tab reading 'Property is type "None"').
             assert 'Property is type "None"' not in form_text, form_text[:3000]
-            # The validation thresholds and the quality gate are one JSON box each, holding their current values.
-            assert '"min_answer_tokens": 0' in form_text and '"max_reject_rate": 1' in form_text, form_text[-3000:]
             # Issue 25.1: the form was 5,956 px tall at this viewport; 4,315 px with the changes above.
             height = page.evaluate("() => document.documentElement.scrollHeight")
             print(f"run form height: {height} px")
@@ -383,6 +385,7 @@ def test_failed_run_page_shows_the_failing_task_and_message(ui_stack: UiStack, t
             text = page.inner_text("main") if page.locator("main").count() else page.inner_text("body")
             first = text[: text.index(line)]
             assert "check environment" not in first and "attention" not in first, first  # nothing said before it
+            assert "Failing task" in text and "The error, in full" in text, text
             assert text.index(line) < text.index("Failing task") < text.index("The error, in full"), text
             page.screenshot(path=str(SCREENSHOTS / "failed-run-reason.png"))
 
