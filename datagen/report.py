@@ -492,6 +492,7 @@ class RunFacts:
     lengths: Sequence[int] = ()
     # Every-turn mode: conversations and their steps, counted from the checkpoint lines (None: `last` mode).
     conversations: TurnCounts | None = None
+    link: str | None = None  # dataset_link's browser link, where it is not the s3:// location itself
 
     def summary(self) -> dict[str, Any]:
         """The flow's return value (and the CLI's summary): plain JSON."""
@@ -526,7 +527,8 @@ def run_report(facts: RunFacts) -> str:
         f"# Run report: {facts.namespace}",
         "",
         f"Dataset: `{where}` · {facts.rows:,} rows · {human_bytes(facts.dataset_bytes)} · "
-        f"`datagen inspect {facts.namespace}` shows what it holds.",
+        + (f"[open it in the browser]({facts.link}) · " if facts.link and facts.link != facts.uri else "")
+        + f"`datagen inspect {facts.namespace}` shows what it holds.",
         "",
         _table(
             ["what", "value"],

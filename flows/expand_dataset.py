@@ -558,6 +558,7 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
         throughput=generated.throughput,
         lengths=report.completion_lengths(Path(r.completions_path) for r in shard_results),
         conversations=turn_counts,
+        link=dataset_link,
     )
     create_markdown_artifact(
         markdown=report.run_report(facts),

@@ -322,6 +322,7 @@ def test_rest_triggered_run_completes_and_publishes_with_artifacts(stack: Stack)
     assert card.status_code == 200, card.text[:300]
     assert card.content == stack.store.get_bytes(f"{namespace}/README.md")
     run_report = artifacts["run-report"]["data"]
+    assert f"[open it in the browser]({url})" in run_report, run_report  # the same card link, in the report
     for row in ("| training rows | 6 |", "| servers (one per GPU) | 1 |", "## Per server", "## Time per stage"):
         assert row in run_report, run_report
     assert "| generation |" in run_report and "## Completion lengths" in run_report, run_report
