@@ -11,9 +11,9 @@ Every deployed flow's body is one call, `return failure.reported(body, ...)`. Wh
 - the traceback is in the run's log once. Prefect logs a failed task's exception with its traceback at the
   task, then its "Finished in state Failed(...)" line, and, when the flow raises it, again with the traceback at
   the flow ("Encountered exception during execution") and when the engine exits ("Engine execution exited with
-  unexpected exception"): 3 tracebacks, the message 5 times. The flow no longer raises (it returns its Failed
-  state), and `OnceTraceback` keeps the first traceback of each exception object, dropping it from later
-  records (their message lines stay) and dropping the failed task's repeated "Finished in state" line.
+  unexpected exception"): 3 tracebacks (2 for a failure outside a task). The flow no longer raises (it returns
+  its Failed state), and `OnceTraceback` keeps the first traceback of each exception object, dropping it from
+  later records (their message lines stay) and dropping the failed task's repeated "Finished in state" line.
 
 The flow's Failed state keeps the exception as its data, so a caller of the flow (the CLI, a test) still gets
 the original exception raised, and the on-failure alert reads the same description from it (`of_state`).
@@ -39,6 +39,7 @@ __all__ = [
     "failing_task",
     "of_state",
     "reason",
+    "report_markdown",
     "report_url",
     "reported",
 ]
@@ -200,15 +201,15 @@ def _md_link(text: str, url: str | None) -> str:
     return f"[{text}]({url})" if url else f"`{text}`"
 
 
-def _run_artifacts(flow_run_id: UUID) -> list[Any]:
+def _run_artifacts(flow_run_id: UUID, key: str | None = None) -> list[Any]:
+    """The run's keyed artifacts (only `key`'s versions when given)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
+    keys = ArtifactFilterKey(any_=[key]) if key else ArtifactFilterKey(exists_=True)
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(
-            artifact_filter=ArtifactFilter(
-                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), key=ArtifactFilterKey(exists_=True)
-            )
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), key=keys)
         )
     return list(artifacts)
 
@@ -257,26 +258,19 @@ def report_markdown(failure: Failure, exc: BaseException, flow_run: Any, artifac
 
 def report_url(flow_run_id: UUID) -> str | None:
     """The browser link of a run's run-failure artifact (its first line is the reason), if it has one."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
-
-    with get_client(sync_client=True) as client:
-        found = client.read_artifacts(
-            artifact_filter=ArtifactFilter(
-                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), key=ArtifactFilterKey(any_=[ARTIFACT_KEY])
-            )
-        )
+    found = _run_artifacts(flow_run_id, ARTIFACT_KEY)
     return _ui_link("artifact", found[0].id) if found else None
 
 
 def _write_report(failure: Failure, exc: BaseException, flow_run: Any) -> bool:
+    from prefect import get_run_logger
     from prefect.artifacts import create_markdown_artifact
 
     try:
         markdown = report_markdown(failure, exc, flow_run, _run_artifacts(flow_run.id))
         create_markdown_artifact(markdown=markdown, key=ARTIFACT_KEY, description=f"Why {flow_run.name} failed")
     except Exception as error:  # the run still fails with its one line; say why the report is missing
-        logging.getLogger(__name__).warning("could not write the %s artifact: %s", ARTIFACT_KEY, error)
+        get_run_logger().warning("could not write the %s artifact: %s", ARTIFACT_KEY, error)
         return False
     return True
 
