@@ -214,7 +214,7 @@ def _run_artifacts(flow_run_id: UUID, key: str | None = None) -> list[Any]:
     return list(artifacts)
 
 
-def _wrapped(text: str, width: int = 100) -> list[str]:
+def _wrapped(text: str, width: int = 76) -> list[str]:
     """A code block's lines, long ones wrapped (the UI scrolls a code block sideways instead of wrapping it)."""
     out: list[str] = []
     for line in text.splitlines() or [""]:

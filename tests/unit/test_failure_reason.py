@@ -132,7 +132,7 @@ def test_report_links_the_run_the_task_and_every_artifact_in_the_v2_ui() -> None
     assert f"[the run log](http://box:4200/v2/runs/flow-run/{run.id}?tab=Logs)" in md
     assert "quality gate FAILED (1 check(s))\n- x: y" in md  # the whole error
     wide = report_markdown(failure, ValueError("word " * 60), run, [])
-    assert max(len(line) for line in wide.split("```text")[1].splitlines()) <= 100  # wrapped, not scrolled
+    assert max(len(line) for line in wide.split("```text")[1].splitlines()) <= 76  # wrapped, not scrolled
     # No UI URL known (a local run): names, not links.
     with temporary_settings({PREFECT_UI_URL: ""}):
         md = report_markdown(Failure(reason="r", flow="pilot"), exc, run, [validation])
