@@ -86,8 +86,8 @@ def announce_failure(flow: Any, flow_run: Any, state: Any) -> None:
     )
 
 
-def automation_definition(block_document_id: UUID | str) -> dict[str, Any]:
-    """The automation, as `prefect automation create --from-json` and the REST API take it."""
+def automation_definition(block_document_id: UUID | str, body: str = NOTIFICATION_BODY) -> dict[str, Any]:
+    """The automation, as `prefect automation create --from-json` and the REST API take it (`body`: its text)."""
     return {
         "name": AUTOMATION_NAME,
         "description": (
@@ -110,7 +110,7 @@ def automation_definition(block_document_id: UUID | str) -> dict[str, Any]:
                 "type": "send-notification",
                 "block_document_id": str(block_document_id),
                 "subject": NOTIFICATION_SUBJECT,
-                "body": NOTIFICATION_BODY,
+                "body": body,
             }
         ],
     }
@@ -140,7 +140,7 @@ def _existing_block(slug: str) -> UUID:
     return UUID(str(block._block_document_id))
 
 
-def install(webhook_url: str | None = None, block: str | None = None) -> UUID:
+def install(webhook_url: str | None = None, block: str | None = None, body: str = NOTIFICATION_BODY) -> UUID:
     """Create (or replace) the notification automation on the server PREFECT_API_URL names; its id."""
     from prefect.client.orchestration import get_client
     from prefect.events.schemas.automations import AutomationCore
@@ -148,7 +148,7 @@ def install(webhook_url: str | None = None, block: str | None = None) -> UUID:
     if bool(webhook_url) == bool(block):
         raise SystemExit("datagen.alerts: give exactly one of --webhook-url and --block")
     block_id = _webhook_block(webhook_url) if webhook_url else _existing_block(str(block))
-    automation = AutomationCore.model_validate(automation_definition(block_id))
+    automation = AutomationCore.model_validate(automation_definition(block_id, body))
     with get_client(sync_client=True) as client:
         for existing in client.read_automations_by_name(AUTOMATION_NAME):
             client.delete_automation(existing.id)

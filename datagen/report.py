@@ -7,6 +7,7 @@ with no image hosting and no plotting dependency.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import re
 import threading
@@ -15,9 +16,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
+from urllib.parse import urlsplit
 from uuid import UUID
 
 from datagen.checkpoint import read_rows
+from datagen.dataset_card import CARD_NAME
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.stats import DispatcherStats
 from datagen.turn_stats import COMPLETE, StepTail, TurnCounts
@@ -431,11 +434,13 @@ def length_histogram(lengths: Sequence[int], bins: int = 10) -> list[tuple[str, 
 # --- the dataset link -------------------------------------------------------------------------------------
 
 
-def dataset_link(store: Any, uri: str, console_url: str | None = None) -> str:
-    """A link a browser can open for a published namespace: a console URL where one is known, else the s3:// URI.
+def dataset_link(store: Any, uri: str, console_url: str | None = None, expiry_s: int = 24 * 3600) -> str:
+    """A link a browser can open for a published namespace.
 
-    `console_url` is a template with `{bucket}` and `{key}` (e.g. a MinIO or SeaweedFS console); AWS S3
-    (no endpoint, or an amazonaws.com one) gets the AWS console's folder view.
+    A console URL where one is known: `console_url` is a template with `{bucket}` and `{key}` (e.g. a MinIO or
+    SeaweedFS console); AWS S3 (no endpoint, or an amazonaws.com one) gets the AWS console's folder view. An S3
+    server on this machine's loopback (a laptop: the browser runs beside it) gets a presigned GET of the dataset
+    card, valid `expiry_s`; any other endpoint the s3:// URI.
     """
     prefix = uri.split(f"s3://{store.bucket}/", 1)[-1]
     if console_url:
@@ -443,7 +448,19 @@ def dataset_link(store: Any, uri: str, console_url: str | None = None) -> str:
     endpoint = store.endpoint_url or ""
     if not endpoint or endpoint.rstrip("/").endswith("amazonaws.com"):
         return f"https://s3.console.aws.amazon.com/s3/buckets/{store.bucket}?prefix={prefix}&region={store.region}"
+    if _on_loopback(endpoint):
+        return str(store.presigned_get(uri.removeprefix(store.uri()) + CARD_NAME, expiry_s))
     return uri
+
+
+def _on_loopback(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 # --- the reports ------------------------------------------------------------------------------------------
@@ -475,6 +492,7 @@ class RunFacts:
     lengths: Sequence[int] = ()
     # Every-turn mode: conversations and their steps, counted from the checkpoint lines (None: `last` mode).
     conversations: TurnCounts | None = None
+    link: str | None = None  # dataset_link's browser link, where it is not the s3:// location itself
 
     def summary(self) -> dict[str, Any]:
         """The flow's return value (and the CLI's summary): plain JSON."""
@@ -509,7 +527,8 @@ def run_report(facts: RunFacts) -> str:
         f"# Run report: {facts.namespace}",
         "",
         f"Dataset: `{where}` · {facts.rows:,} rows · {human_bytes(facts.dataset_bytes)} · "
-        f"`datagen inspect {facts.namespace}` shows what it holds.",
+        + (f"[open it in the browser]({facts.link}) · " if facts.link and facts.link != facts.uri else "")
+        + f"`datagen inspect {facts.namespace}` shows what it holds.",
         "",
         _table(
             ["what", "value"],

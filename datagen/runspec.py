@@ -7,10 +7,11 @@ field gets the model's defaults for the rest, never a deployment's).
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
+from datagen.form_schema import json_box, optional_fields_as_plain_inputs
 from datagen.tuning import check_server_args
 
 __all__ = ["AUTO_NAMESPACE", "PromptSource", "QualityGate", "RunSpec", "SamplingSpec", "Target", "ValidationSpec"]
@@ -68,7 +69,7 @@ FIELD_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$"
 class PromptSource(BaseModel):
     """One prompt source: a local file or a Hugging Face dataset."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=optional_fields_as_plain_inputs)
 
     path: str = Field(
         ...,
@@ -214,7 +215,7 @@ class Target(BaseModel):
 class RunSpec(BaseModel):
     """What this run should do: prompts, model, sampling, sharding and where the dataset goes."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=optional_fields_as_plain_inputs)
 
     sources: list[PromptSource] = Field(
         default_factory=lambda: [PromptSource(path="data/prompts", category_field="category")],
@@ -224,7 +225,7 @@ class RunSpec(BaseModel):
         "/dev/shm/Qwen3.6-27B",
         description="Model directory on the GPU box; its tokenizer and chat template are used for every prompt.",
     )
-    sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="Sampling parameters.")
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec, title="Sampling", description="Sampling parameters.")
     shard_size: int = Field(1000, ge=1, description="Prompts per shard (unit of checkpointing and caching).")
     namespace: str = Field(
         "expansion_v1",
@@ -289,11 +290,22 @@ class RunSpec(BaseModel):
     served_model_name: str = Field(
         "qwen3.6-27b", title="Advanced: Served Model Name", description="Name the servers report (no ':')."
     )
-    validation: ValidationSpec = Field(
-        default_factory=ValidationSpec, title="Advanced: Validation", description="Per-sample checks."
+    # One JSON box each in the form (datagen.form_schema): 17 thresholds drawn field by field were a quarter of it.
+    validation: Annotated[ValidationSpec, WithJsonSchema(json_box(ValidationSpec))] = Field(
+        default_factory=ValidationSpec,
+        title="Advanced: Validation",
+        description=(
+            f"Per-sample checks, as JSON: keys {', '.join(ValidationSpec.model_fields)} "
+            "(docs/data-quality.md says what each does)."
+        ),
     )
-    quality_gate: QualityGate = Field(
-        default_factory=QualityGate, title="Advanced: Quality Gate", description="Dataset-level checks before publish."
+    quality_gate: Annotated[QualityGate, WithJsonSchema(json_box(QualityGate))] = Field(
+        default_factory=QualityGate,
+        title="Advanced: Quality Gate",
+        description=(
+            f"Dataset-level checks before publish, as JSON: keys {', '.join(QualityGate.model_fields)} "
+            "(docs/data-quality.md says what each does)."
+        ),
     )
     server_args: list[str] = Field(
         default_factory=list,

@@ -39,6 +39,16 @@ class Settings(BaseSettings):
         ),
     )
 
+    s3_link_expiry_s: int = Field(
+        24 * 3600,
+        ge=1,
+        le=7 * 24 * 3600,
+        description=(
+            "How long the run's dataset link stays valid where it is a presigned URL of the dataset card (an S3 "
+            "server on loopback: a laptop); SigV4 allows at most 7 days."
+        ),
+    )
+
     # --- Generation servers ----------------------------------------------------------------
     engine: Literal["sglang", "standin"] = Field(
         "sglang",

@@ -171,6 +171,7 @@ class ObjectStore:
             read_timeout=read_timeout_s,
             retries={"max_attempts": max_attempts, "mode": "standard"},
             max_pool_connections=max(10, 4 * max_concurrency),
+            signature_version="s3v4",  # what requests use already; presigned URLs would otherwise get SigV2
         )
         # Empty credentials mean "use boto3's default chain" (instance role, AWS_PROFILE, ...).
         key_id = access_key_id.get_secret_value() or None
@@ -213,6 +214,11 @@ class ObjectStore:
     def uri(self, key: str = "") -> str:
         """s3://bucket/prefix/key."""
         return f"s3://{self.bucket}/{self.prefix}{key}"
+
+    def presigned_get(self, key: str, expires_s: int) -> str:
+        """A URL that GETs `key` with no credentials until it expires (a SigV4 query signature; no secret in it)."""
+        params = {"Bucket": self.bucket, "Key": self._full(key)}
+        return str(self._client.generate_presigned_url("get_object", Params=params, ExpiresIn=expires_s))
 
     def _full(self, key: str) -> str:
         if not key or key.startswith("/"):

@@ -526,7 +526,11 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
     )
     published = publish_dataset(spec, layout, store, lineage, dry_run)
     clock.mark("publish")
-    dataset_link = report.dataset_link(store, published.uri, settings.s3_console_url)
+    dataset_link = (  # a dry run published nothing: no card to open
+        published.uri
+        if dry_run
+        else report.dataset_link(store, published.uri, settings.s3_console_url, settings.s3_link_expiry_s)
+    )
     create_link_artifact(
         link=dataset_link,
         link_text=f"dataset {spec.namespace}: {tokenized.n_rows:,} rows, {report.human_bytes(published.bytes)}",
@@ -555,6 +559,7 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
         throughput=generated.throughput,
         lengths=report.completion_lengths(Path(r.completions_path) for r in shard_results),
         conversations=turn_counts,
+        link=dataset_link,
     )
     create_markdown_artifact(
         markdown=report.run_report(facts),

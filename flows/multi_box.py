@@ -47,7 +47,7 @@ from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.memory_plan import MemoryPlan, PromptTokens
 from datagen.identity import RequestKeys
 from datagen.layout import RunLayout
-from datagen.report import quiet_per_shard_completions, run_name
+from datagen.report import dataset_link, quiet_per_shard_completions, run_name
 from datagen.runspec import ExchangeSpec, MultiBoxSpec, RunSpec
 from datagen.settings import Settings
 from datagen.storage import ObjectStore, s3_preflight
@@ -466,10 +466,12 @@ def _expand_dataset_multibox(spec: RunSpec, boxes: MultiBoxSpec, dry_run: bool) 
     } | conversations
     published = publish_dataset(spec, layout, store, lineage, dry_run)
     create_link_artifact(
-        link=published.uri,
+        link=published.uri  # a dry run published nothing: no card to open
+        if dry_run
+        else dataset_link(store, published.uri, settings.s3_console_url, settings.s3_link_expiry_s),
         link_text=f"dataset {spec.namespace}: {tokenized.n_rows:,} rows",
         key="published-dataset",
-        description=f"Where {spec.namespace} was published; `datagen inspect {spec.namespace}` shows it",
+        description=f"Where {spec.namespace} was published ({published.uri}); `datagen inspect {spec.namespace}`",
     )
     report = {
         "uri": published.uri,

@@ -4,7 +4,8 @@
 #   PREFECT_API_URL=http://prefect-host:4200/api bash infra/deploy.sh
 # The server's auth string: PREFECT_API_AUTH_STRING, else the auth file (infra/prefect-auth.sh).
 # Optional: DATAGEN_WORK_POOL (default gpu-box-1, the pool prefect.yaml names), PREFECT_BIN;
-# DATAGEN_ALERT_WEBHOOK_URL or DATAGEN_ALERT_BLOCK (type/name): install the failed-run automation too;
+# DATAGEN_ALERT_WEBHOOK_URL or DATAGEN_ALERT_BLOCK (type/name): install the failed-run automation too; without
+# either, DATAGEN_ALERT_LOG_DIR=<dir> (laptop.sh): the automation posts to a loopback listener writing <dir>/alerts.log;
 # DATAGEN_DEPLOY_RUN_SPEC=<run-spec.json>: its fields become every deployment's `spec` defaults (laptop.sh).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -46,6 +47,9 @@ if [ -n "${DATAGEN_ALERT_WEBHOOK_URL:-}" ] || [ -n "${DATAGEN_ALERT_BLOCK:-}" ];
   else
     "$python_bin" -m datagen.alerts install --block "$DATAGEN_ALERT_BLOCK"
   fi
+elif [ -n "${DATAGEN_ALERT_LOG_DIR:-}" ]; then
+  # A laptop (laptop.sh): a listener on loopback writes each alert as a line of $DATAGEN_ALERT_LOG_DIR/alerts.log.
+  "$python_bin" -m datagen.alert_log start --state-dir "$DATAGEN_ALERT_LOG_DIR"
 else
   echo "deploy.sh: no DATAGEN_ALERT_WEBHOOK_URL / DATAGEN_ALERT_BLOCK: failed runs notify nobody (infra/DEPLOY.md, section 7)"
 fi

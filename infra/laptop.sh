@@ -6,7 +6,8 @@
 # .datagen/laptop/run-spec.json. An existing server is used when PREFECT_API_URL is set (with its
 # PREFECT_API_AUTH_STRING). The local server's auth string is generated once into .datagen/prefect-auth (0600):
 # the UI asks for it, the CLI reads it from PREFECT_API_AUTH_STRING. Ctrl-C stops the worker;
-# `bash infra/prefect-server.sh stop` and `.venv/bin/datagen stack down` stop the rest.
+# `bash infra/prefect-server.sh stop`, `.venv/bin/python -m datagen.alert_log stop` and `.venv/bin/datagen stack down`
+# stop the rest. Failed runs: .datagen/laptop/alerts.log, one line each (with the local server).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck source=infra/prefect-auth.sh
@@ -18,6 +19,9 @@ if [ -z "${PREFECT_API_URL:-}" ]; then
   echo "starting a local Prefect server on port $port (state in .datagen/prefect-server) ..."
   bash infra/prefect-server.sh start "$port"
   export PREFECT_API_URL="http://127.0.0.1:$port/api"
+  # Failed runs are alerted as lines of .datagen/laptop/alerts.log (the local server reaches a loopback listener),
+  # unless a team alert is set (DATAGEN_ALERT_WEBHOOK_URL / DATAGEN_ALERT_BLOCK).
+  export DATAGEN_ALERT_LOG_DIR=${DATAGEN_ALERT_LOG_DIR:-.datagen/laptop}
 fi
 datagen_client_auth "$PWD" laptop.sh
 echo "registering the deployments on $PREFECT_API_URL ..."

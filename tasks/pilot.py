@@ -35,6 +35,7 @@ from datagen.engine import plan_trial
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.memory_plan import MemoryPlan
 from datagen.engine.plan_trial import TrialChoice
+from datagen.form_schema import optional_fields_as_plain_inputs
 from datagen.identity import PromptIdentity, RequestKeys
 from datagen.layout import RunLayout
 from datagen.prompts import iter_prompts
@@ -84,7 +85,7 @@ _PERCENTILES = (50, 90, 99)
 class PilotSpec(BaseModel):
     """What the pilot samples and what it projects for."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=optional_fields_as_plain_inputs)
 
     name: str = Field(
         "pilot",

@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from datagen.localstack import LocalS3
@@ -250,6 +251,36 @@ def test_schema_rejects_a_bad_parameter_naming_the_field(
     assert not [r for r in runs if r["parameters"].get("spec") == spec]
 
 
+def test_optional_fields_are_plain_inputs_that_take_a_value_or_null(stack: Stack) -> None:
+    # Issue 25.5: each optional field was an anyOf with a null branch, which the run form draws as a tab reading
+    # 'Property is type "None"'. Now it is the plain input, and the server still takes an explicit null.
+    definitions = stack.api.deployment(FLOW, "manual")["parameter_openapi_schema"]["definitions"]
+    for model, field, kind in [
+        ("RunSpec", "pilot", "string"),
+        ("RunSpec", "max_prompt_tokens", "integer"),
+        ("PromptSource", "name", "string"),
+        ("PromptSource", "max_rows", "integer"),
+        ("PromptSource", "tools", "array"),
+    ]:
+        prop = definitions[model]["properties"][field]
+        assert prop["type"] == kind and "anyOf" not in prop and "default" not in prop, (model, field, prop)
+    assert '"null"' not in json.dumps(definitions), definitions
+    deployment_id = _deployment_id(stack, "manual")
+    refused = stack.api.create_flow_run(deployment_id, {"spec": {"max_prompt_tokens": "many"}})
+    assert refused.status_code == 409 and "spec.max_prompt_tokens" in refused.json()["detail"], refused.text
+
+    # Nulls spelled out, as a spec dumped whole arrives (the multi-box parent's children, a lineage's run_spec),
+    # next to an optional value that is set: the run takes both.
+    source = {"path": str(stack.prompts), "name": None, "category_field": None, "max_rows": 5, "tools": None}
+    spec = fast_spec(stack, "optional-fields", sources=[source], pilot=None, max_prompt_tokens=None)
+    flow_run_id = _start(stack, "manual", {"spec": spec})
+    run = stack.api.wait_for_flow_run(flow_run_id, RUN_TIMEOUT_S, diagnostics=stack.worker_log)
+    assert run["state_type"] == "COMPLETED", _failure_report(stack, flow_run_id, run)
+    manifest = json.loads(stack.store.get_bytes("optional-fields/manifest.json"))
+    lineage = manifest["lineage"]
+    assert lineage["rows"] + lineage["rejects"] == 5, lineage  # max_rows of the 6 prompts
+
+
 def test_environment_check_deployment_reports_through_an_artifact(stack: Stack) -> None:
     flow_run_id = _start(
         stack, "environment-check", {"spec": fast_spec(stack, "envcheck-ns")}, flow="check-environment"
@@ -280,10 +311,18 @@ def test_rest_triggered_run_completes_and_publishes_with_artifacts(stack: Stack)
     assert artifacts["generation-progress"]["type"] == "progress"
     assert artifacts["generation-progress"]["data"] == 100
     assert "6 of 6 prompts" in artifacts["generation-progress"]["description"]
-    # A local endpoint has no console: the link names the s3:// location, rows and size.
-    link = artifacts["published-dataset"]["data"]
-    assert stack.store.uri(f"{namespace}/") in link and "6 rows" in link, link
+    # S3 on loopback (a laptop): the link opens the dataset card in a browser (no credentials); the description
+    # keeps the s3:// location.
+    dataset = artifacts["published-dataset"]
+    assert stack.store.uri(f"{namespace}/") in dataset["description"], dataset["description"]
+    link = dataset["data"]
+    assert "6 rows" in link, link
+    url = link[link.index("(") + 1 : link.rindex(")")]  # the artifact's data is markdown: [text](url)
+    card = httpx.get(url, timeout=30)
+    assert card.status_code == 200, card.text[:300]
+    assert card.content == stack.store.get_bytes(f"{namespace}/README.md")
     run_report = artifacts["run-report"]["data"]
+    assert f"[open it in the browser]({url})" in run_report, run_report  # the same card link, in the report
     for row in ("| training rows | 6 |", "| servers (one per GPU) | 1 |", "## Per server", "## Time per stage"):
         assert row in run_report, run_report
     assert "| generation |" in run_report and "## Completion lengths" in run_report, run_report

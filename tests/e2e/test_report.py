@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -189,10 +190,25 @@ def test_dataset_link_opens_in_a_console() -> None:
     uri = "s3://datasets/team/expansion_v2/"
     aws = report.dataset_link(store, uri)
     assert aws == "https://s3.console.aws.amazon.com/s3/buckets/datasets?prefix=team/expansion_v2/&region=eu-west-1"
-    store.endpoint_url = "http://127.0.0.1:9000"
+    store.endpoint_url = "http://s3.internal:9000"
     assert report.dataset_link(store, uri) == uri  # no console known for a private endpoint
     template = "https://minio.example.com/browser/{bucket}/{key}"
     assert report.dataset_link(store, uri, template) == "https://minio.example.com/browser/datasets/team/expansion_v2/"
+
+
+def test_dataset_link_on_a_laptop_opens_the_card_in_a_browser(s3_store: ObjectStore) -> None:
+    # Issue 25.5: on a laptop (S3 on loopback) the link was the s3:// location, which a browser cannot open.
+    card = b"---\nconfigs: []\n---\n# expansion_v2\n"
+    s3_store.put_if_absent("expansion_v2/README.md", card)
+    link = report.dataset_link(s3_store, s3_store.uri("expansion_v2/"), expiry_s=600)
+    assert link.startswith(s3_store.endpoint_url + "/"), link
+    assert "X-Amz-Expires=600" in link and "X-Amz-Signature=" in link, link
+    secret = s3_store._client._request_signer._credentials.secret_key
+    assert secret not in link
+    # A browser sends no credentials: plain HTTP gets the card's bytes, and an unsigned URL is refused.
+    response = httpx.get(link, timeout=30)
+    assert response.status_code == 200 and response.content == card, (response.status_code, response.text[:300])
+    assert httpx.get(link.split("?", 1)[0], timeout=30).status_code in (401, 403)
 
 
 def test_targets_are_typed_rows_in_the_form_and_mappings_in_configs() -> None:

@@ -19,6 +19,7 @@ import pytest
 from playwright.sync_api import Page, expect, sync_playwright
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
+from datagen import alert_log
 from datagen.localstack import LocalS3
 from datagen.model_fixture import ensure_model_dir
 from datagen.storage import ObjectStore
@@ -49,6 +50,8 @@ CHROMIUM_ARGS = [
 RUN_TIMEOUT_S = 300.0  # a hang guard, not a speed requirement
 # The README shows these; the test refreshes them on every run (small viewport PNGs, committed).
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
+# Typed into the form's quality-gate JSON box: a gate the stand-in's completions pass.
+QUALITY_GATE = {"max_reject_rate": 1.0, "max_short_share": 1.0, "min_median_completion_tokens": 0}
 PROMPTS = [
     "Explain what a unit test is.",
     "Give two reasons to pin dependencies.",
@@ -66,6 +69,7 @@ class UiStack:
     prompts: Path
     model_dir: Path
     artifacts_dir: Path
+    alerts_log: Path
 
 
 def _chromium() -> str:
@@ -93,7 +97,11 @@ def ui_stack(tmp_path_factory: pytest.TempPathFactory, local_s3: LocalS3) -> Ite
     run_spec.write_text(json.dumps({"spec": _laptop_spec(prompts, model_dir)}), encoding="utf-8")
     with ExitStack() as stack:
         server = stack.enter_context(prefect_server(root / "prefect"))
-        run_deploy(server, root / "cli-home", {"DATAGEN_DEPLOY_RUN_SPEC": str(run_spec)})
+        # As laptop.sh with its local server: failed runs become lines of alerts.log (a listener deploy.sh starts).
+        alerts_dir = root / "alerts"
+        stack.callback(alert_log.stop, alerts_dir)
+        deploy_env = {"DATAGEN_DEPLOY_RUN_SPEC": str(run_spec), "DATAGEN_ALERT_LOG_DIR": str(alerts_dir)}
+        run_deploy(server, root / "cli-home", deploy_env)
         worker_log = root / "worker.log"
         # Runs started from the UI get no per-run environment: the worker's is theirs.
         env["DATAGEN_BASE_PORT"] = str(free_port())
@@ -108,6 +116,7 @@ def ui_stack(tmp_path_factory: pytest.TempPathFactory, local_s3: LocalS3) -> Ite
             prompts=prompts,
             model_dir=model_dir,
             artifacts_dir=root,
+            alerts_log=alerts_dir / alert_log.LOG_NAME,
         )
 
 
@@ -148,12 +157,19 @@ def test_run_started_from_the_ui_form_completes(ui_stack: UiStack, tmp_path: Pat
 
             _log_in(page, ui_stack, f"/v2/deployments/deployment/{deployment['id']}/run")
             page.get_by_label("Namespace (Optional)", exact=True).wait_for()
+            # The JSON boxes are code editors that draw a moment after the fields: wait for their values.
+            editors = page.locator(".cm-content")
+            expect(editors.first).to_contain_text('"min_answer_tokens": 0', timeout=30_000)
+            expect(editors.nth(1)).to_contain_text('"max_reject_rate": 1', timeout=30_000)
             form_text = page.inner_text("body")
             # Descriptions reach the form whole: no "</think>" for the UI to swallow, dry_run explained.
-            assert "An answer shorter than this is a placeholder when the reasoning is also shorter" in form_text, (
-                form_text[:3000]
-            )
             assert "Do everything except writing to S3" in form_text, form_text[:3000]
+            # Optional fields are plain inputs (issue 25.5: each showed a tab reading 'Property is type "None"').
+            assert 'Property is type "None"' not in form_text, form_text[:3000]
+            # Issue 25.1: the form was 5,956 px tall at this viewport; 4,315 px with the changes above.
+            height = page.evaluate("() => document.documentElement.scrollHeight")
+            print(f"run form height: {height} px")
+            assert height < 5000, height
             # Targets are rows of name + count, not a JSON box; rarely changed fields say so and come last.
             assert "Source Targets" in form_text and "Advanced: Context Length" in form_text
             assert form_text.count("No items in this list") >= 2, form_text[:3000]  # the two target lists
@@ -162,11 +178,21 @@ def test_run_started_from_the_ui_form_completes(ui_stack: UiStack, tmp_path: Pat
             page.screenshot(path=str(SCREENSHOTS / "run-form.png"))
             page.get_by_text("Source Targets", exact=False).first.scroll_into_view_if_needed()
             page.screenshot(path=str(SCREENSHOTS / "run-form-targets.png"))
+            page.get_by_text("Advanced: Validation (Optional)", exact=True).scroll_into_view_if_needed()
+            page.screenshot(path=str(SCREENSHOTS / "run-form-advanced.png"))
 
             def fill(label: str, value: str) -> None:
                 box = page.get_by_label(label, exact=True)
                 box.fill(value)
                 assert box.input_value() == value
+
+            def fill_json(label: str, value: dict[str, Any]) -> None:
+                # A JSON box is a code editor: select what it holds and type the new JSON over it.
+                editor = page.locator(f"[id='{page.get_by_text(label, exact=True).get_attribute('for')}'] .cm-content")
+                editor.click()
+                page.keyboard.press("Control+A")
+                page.keyboard.insert_text(json.dumps(value))
+                assert json.loads(editor.inner_text()) == value
 
             fill("Run Name", run_name)
             fill("Path", str(ui_stack.prompts))
@@ -174,9 +200,10 @@ def test_run_started_from_the_ui_form_completes(ui_stack: UiStack, tmp_path: Pat
             fill("Max New Tokens (Optional)", "1024")
             fill("Shard Size (Optional)", "2")
             fill("Namespace (Optional)", namespace)
-            fill("Max Reject Rate (Optional)", "1")
-            fill("Max Short Share (Optional)", "1")
+            fill("Max Rows (Optional)", "3")  # an optional field of a prompt source, set
             fill("Advanced: Context Length (Optional)", "8192")
+            fill("Advanced: Max Prompt Tokens (Optional)", "6000")  # an optional field of the run spec, set
+            fill_json("Advanced: Quality Gate (Optional)", QUALITY_GATE)
             page.get_by_role("button", name="Submit", exact=True).click()
 
             # The UI creates the run and shows it in the deployment's Runs tab; open it from there. On a loaded
@@ -213,6 +240,10 @@ def test_run_started_from_the_ui_form_completes(ui_stack: UiStack, tmp_path: Pat
     assert spec["shard_size"] == 2
     assert spec["sampling"]["max_new_tokens"] == 1024
     assert spec["sources"][0]["path"] == str(ui_stack.prompts)
+    assert spec["sources"][0]["max_rows"] == 3 and spec["max_prompt_tokens"] == 6000
+    assert spec["quality_gate"] == QUALITY_GATE
+    # Optional fields left empty are left out, and the run spec's default (None) applies.
+    assert "pilot" not in spec and "name" not in spec["sources"][0], spec
     assert ui_stack.store.exists(f"{namespace}/manifest.json")
 
 
@@ -267,6 +298,22 @@ def _wait_for_new_run(api: PrefectApi, deployment_id: str, before: set[str], tim
         time.sleep(0.5)
 
 
+def _wait_for_alert(log: Path, run_name: str, timeout: float = 120.0) -> str:
+    """The one line of the alert log that names `run_name` (the automation posts a few seconds after the run ends)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = log.read_text(encoding="utf-8").splitlines() if log.exists() else []
+        named = [line for line in lines if f" {run_name} (" in line]
+        if named:
+            time.sleep(2.0)  # a second alert for the same run would land about now
+            named = [line for line in log.read_text(encoding="utf-8").splitlines() if f" {run_name} (" in line]
+            assert len(named) == 1, named
+            return named[0]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no alert for {run_name!r} in {log}: {lines}")
+        time.sleep(0.5)
+
+
 def _log_in(page: Page, ui_stack: UiStack, path: str) -> None:
     """Log in as a person does (the UI's login box takes the server's auth string), then open `path`."""
     # The login page itself calls nothing that needs the string. Opening another page first would: its
@@ -313,6 +360,12 @@ def test_failed_run_page_shows_the_failing_task_and_message(ui_stack: UiStack, t
     assert message.startswith("check environment failed: ") and "engine.attention_backend" in message, message
     line = message.removesuffix("; see the run-failure artifact")
     (failure,) = [a for a in ui_stack.api.artifacts(flow_run_id) if a["key"] == "run-failure"]
+    # Issue 25.5: the laptop had no alert. One line in alerts.log names the run, the failing task and links the run.
+    alert = _wait_for_alert(ui_stack.alerts_log, run["name"])
+    assert "ended Failed | failing task: check environment" in alert and "engine.attention_backend" in alert, alert
+    assert f"| why, with links: {ui_stack.server.url}/v2/artifacts/artifact/{failure['id']} |" in alert, alert
+    assert alert.rstrip().endswith(f"{ui_stack.server.url}/v2/runs/flow-run/{flow_run_id}"), alert
+    print(f"alert line: {alert}")
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch_persistent_context(
@@ -332,6 +385,7 @@ def test_failed_run_page_shows_the_failing_task_and_message(ui_stack: UiStack, t
             text = page.inner_text("main") if page.locator("main").count() else page.inner_text("body")
             first = text[: text.index(line)]
             assert "check environment" not in first and "attention" not in first, first  # nothing said before it
+            assert "Failing task" in text and "The error, in full" in text, text
             assert text.index(line) < text.index("Failing task") < text.index("The error, in full"), text
             page.screenshot(path=str(SCREENSHOTS / "failed-run-reason.png"))
 

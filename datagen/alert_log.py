@@ -1,0 +1,148 @@
+"""Failure alerts on a laptop: a webhook listener on loopback that writes each alert as one line of a log file.
+
+A team's server sends alerts to Slack, e-mail or a webhook (`datagen.alerts`, DEPLOY.md section 7); a laptop has
+none of those. `start` runs a small HTTP listener on 127.0.0.1 in the background and installs datagen's failure
+automation with a custom-webhook block that posts to it. The Prefect server (on the same laptop) sends each alert
+there, and the listener appends one line to `alerts.log` in the state directory:
+
+    2026-12-04T14:37:52Z expand ui-failed-run · esoteric-echidna (manual) ended Failed | failing task: check
+    environment: 1 of 24 environment checks failed: engine.attention_backend: ... | why, with links:
+    http://127.0.0.1:4200/v2/artifacts/artifact/<id> | http://127.0.0.1:4200/v2/runs/flow-run/<id>   (one line)
+
+    python -m datagen.alert_log start --state-dir .datagen/laptop   # PREFECT_API_URL (+ auth) in the environment
+    python -m datagen.alert_log stop --state-dir .datagen/laptop
+    tail -f .datagen/laptop/alerts.log
+
+The listener takes POSTs from any process on this machine (loopback, no credentials): it only ever appends lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from datagen import alerts
+from datagen.localstack import stop_pid
+
+__all__ = ["LINE_TEMPLATE", "LOG_NAME", "alert_line", "main", "serve", "start", "stop"]
+
+LOG_NAME = "alerts.log"
+_PID_NAME = "alert-log.pid"
+_PORT_NAME = "alert-log.port"
+_MAX_BODY = 1 << 20
+READY_TIMEOUT_S = 30.0
+
+# The notification text (Jinja, rendered by Prefect's server): what datagen.alerts.NOTIFICATION_BODY says, on one line.
+LINE_TEMPLATE = (
+    "{{ flow_run.name }} ({{ deployment.name }}) ended {{ flow_run.state.name }} | "
+    "{% if event.payload.failed_task %}failing task: {{ event.payload.failed_task }}: {{ event.payload.task_message }}"
+    "{% elif 'Crashed' in event.event %}no failing task: the run crashed (its process or box went away)"
+    "{% else %}failed outside a task: {{ flow_run.state.message }}{% endif %} | "
+    "{% if event.payload.report_url %}why, with links: {{ event.payload.report_url }} | {% endif %}"
+    "{% if flow_run|ui_url %}{{ flow_run|ui_url }}{% else %}flow run {{ flow_run.id }}{% endif %}"
+)
+
+
+def alert_line(text: str, now: datetime | None = None) -> str:
+    """One log line: the UTC time, then the alert's text with every run of whitespace (newlines too) as one space."""
+    stamp = (now or datetime.now(UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return f"{stamp} {' '.join(text.split())}\n"
+
+
+def serve(log: Path, port_file: Path) -> None:
+    """Listen on a free port of 127.0.0.1 (written to `port_file`) and append each POSTed alert to `log`."""
+    lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            try:
+                if length > _MAX_BODY:
+                    raise ValueError(f"body of {length} bytes (at most {_MAX_BODY})")
+                body = json.loads(self.rfile.read(length))
+                text = body["text"] if isinstance(body, dict) else None
+                if not isinstance(text, str):
+                    raise ValueError('expected a JSON object with a string "text"')
+            except (ValueError, KeyError) as exc:
+                self.send_error(400, str(exc))
+                return
+            with lock, log.open("a", encoding="utf-8") as out:
+                out.write(alert_line(text))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass  # the alert log is the record; no access log on stderr
+
+    with ThreadingHTTPServer(("127.0.0.1", 0), Handler) as server:
+        port_file.write_text(str(server.server_address[1]), encoding="utf-8")
+        server.serve_forever()
+
+
+def _running_pid(state_dir: Path) -> int | None:
+    try:
+        pid = int((state_dir / _PID_NAME).read_text(encoding="utf-8"))
+        os.kill(pid, 0)
+    except (FileNotFoundError, ValueError, ProcessLookupError):
+        return None
+    except PermissionError:
+        return None  # a pid reused by another user's process: not ours
+    return pid
+
+
+def start(state_dir: Path) -> str:
+    """Start the listener in the background unless it runs, install the automation posting to it; its URL."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    port_file = state_dir / _PORT_NAME
+    if _running_pid(state_dir) is None or not port_file.is_file():
+        stop(state_dir)  # a listener whose port is not known is of no use
+        command = [sys.executable, "-m", "datagen.alert_log", "serve", "--state-dir", str(state_dir)]
+        with (state_dir / "alert-log.err").open("ab") as err:
+            proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        (state_dir / _PID_NAME).write_text(str(proc.pid), encoding="utf-8")
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not port_file.is_file() or not port_file.read_text(encoding="utf-8"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"alert_log: the listener did not start; see {state_dir / 'alert-log.err'}")
+            time.sleep(0.05)
+    url = f"http://127.0.0.1:{port_file.read_text(encoding='utf-8')}/"
+    alerts.install(webhook_url=url, body=LINE_TEMPLATE)
+    return url
+
+
+def stop(state_dir: Path) -> None:
+    """Stop the listener `start` left running in `state_dir` (the automation stays; its posts then fail)."""
+    pid = _running_pid(state_dir)
+    if pid is not None:
+        stop_pid(pid)
+    (state_dir / _PID_NAME).unlink(missing_ok=True)
+    (state_dir / _PORT_NAME).unlink(missing_ok=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m datagen.alert_log start|stop|serve --state-dir DIR`."""
+    parser = argparse.ArgumentParser(prog="python -m datagen.alert_log", description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=["start", "stop", "serve"])
+    parser.add_argument("--state-dir", type=Path, default=Path(".datagen") / "laptop", help="where alerts.log goes")
+    args = parser.parse_args(argv)
+    state_dir: Path = args.state_dir
+    if args.command == "serve":
+        serve(state_dir / LOG_NAME, state_dir / _PORT_NAME)
+    elif args.command == "start":
+        url = start(state_dir)
+        print(f"alert_log: failed runs are written to {state_dir / LOG_NAME} (listener {url})")
+    else:
+        stop(state_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
