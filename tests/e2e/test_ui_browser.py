@@ -382,6 +382,8 @@ def test_failed_run_page_shows_the_failing_task_and_message(ui_stack: UiStack, t
             heading.wait_for(timeout=60_000)
             # Issue 25.3: the first thing on the page, above the fold, is the failing task and the reason.
             expect(heading).to_be_in_viewport(timeout=30_000)
+            # The artifact's markdown renders in pieces on a loaded box: read the page once its last part is drawn.
+            page.get_by_text("The error, in full").first.wait_for(timeout=60_000)
             text = page.inner_text("main") if page.locator("main").count() else page.inner_text("body")
             first = text[: text.index(line)]
             assert "check environment" not in first and "attention" not in first, first  # nothing said before it
