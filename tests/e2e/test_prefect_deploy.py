@@ -310,7 +310,8 @@ def test_rest_triggered_run_completes_and_publishes_with_artifacts(stack: Stack)
         assert namespace in (artifact["description"] or ""), (key, artifact["description"])
     assert artifacts["generation-progress"]["type"] == "progress"
     assert artifacts["generation-progress"]["data"] == 100
-    assert "6 of 6 prompts" in artifacts["generation-progress"]["description"]
+    # The run spec's default turns: every counts conversations (docs/conversations.md, "Progress").
+    assert "6 of 6 conversations finished" in artifacts["generation-progress"]["description"]
     # S3 on loopback (a laptop): the link opens the dataset card in a browser (no credentials); the description
     # keeps the s3:// location.
     dataset = artifacts["published-dataset"]
@@ -325,7 +326,7 @@ def test_rest_triggered_run_completes_and_publishes_with_artifacts(stack: Stack)
     assert f"[open it in the browser]({url})" in run_report, run_report  # the same card link, in the report
     for row in ("| training rows | 6 |", "| servers (one per GPU) | 1 |", "## Per server", "## Time per stage"):
         assert row in run_report, run_report
-    assert "| generation |" in run_report and "## Completion lengths" in run_report, run_report
+    assert "| generation |" in run_report and "## Step lengths" in run_report, run_report  # every turn: steps
     assert run["state"]["message"] is None or "Nothing new" not in run["state"]["message"]
 
     # Failed runs are inspected task by task: every stage shows up under its own name.
