@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,14 +46,16 @@ import httpx
 from datagen.chat import ChatTokenizer
 from datagen.endpoints import ServerEndpoint
 from datagen.engine.dispatcher import Dispatcher
-from datagen.identity import prompt_id_from_messages
+from datagen.identity import preparer_for, prompt_id_from_messages
 from datagen.layout import RunLayout
 from datagen.model_fixture import ensure_model_dir
+from datagen.preparation import Preparer, write_rendered
 from datagen.records import Prompt
 from datagen.runspec import RunSpec, SamplingSpec
 from datagen.standin.knobs import Knobs
 from datagen.standin.synthetic import SyntheticModel
 from datagen.standin.testing import run_standin
+from datagen.storage import sha256_file
 from tasks.generation import generate_shard
 from tasks.ordering import LengthModel, LengthSample, prompt_chars
 from tasks.pilot import DecodeModel, simulate_slots
@@ -281,17 +284,28 @@ def _long_first(prompts: list[Prompt], lengths: dict[str, int], seed: int) -> tu
     return ordered, {"pilot_samples": len(sample), "length_model": model.model_dump()}
 
 
-def _write_shards(layout: RunLayout, prompts: Iterable[Prompt], shards: int, per_shard: int) -> int:
-    """Cut `prompts`, in their order, into shards of `per_shard`; return how many were written."""
+def _write_shards(
+    layout: RunLayout, prompts: Iterable[Prompt], shards: int, per_shard: int, prepare: Preparer | None
+) -> int:
+    """Cut `prompts`, in their order, into shards of `per_shard`; return how many were written.
+
+    With `prepare`, each shard also gets planning's render cache (datagen.preparation), as `tasks.planning` writes
+    it, so generation sends the ids rendered at planning instead of rendering every prompt again.
+    """
     it = iter(prompts)
     written = 0
     for s in range(shards):
         path = layout.shard_prompts(s)
         path.parent.mkdir(parents=True, exist_ok=True)
+        ids: list[array[int] | None] = []
         with open(path, "w") as f:
             for prompt in itertools.islice(it, per_shard):
                 f.write(prompt.to_json() + "\n")
+                if prepare is not None:
+                    ids.append(array("i", prepare(prompt.messages, prompt.tools)))
                 written += 1
+        if prepare is not None:
+            write_rendered(path, sha256_file(path), prepare.render_key, ids)
     return written
 
 
@@ -308,17 +322,19 @@ def run_once(
     tag: str,
     ideal: float | None = None,
     bound: tuple[list[int], DecodeModel] | None = None,
+    planned_render: bool = True,
 ) -> dict[str, Any]:
     """Generate `prompts` (in this order, cut into `shards`) through one dispatcher; return throughput and memory.
 
     With `ideal` (tok/s), also sample the servers and split utilization into steady state and end-of-run tail.
     With `bound` (every prompt's true output length in this order, and the servers' timing model), also compare
-    with a perfect always-full client on the same requests (`ratio_to_bound`).
+    with a perfect always-full client on the same requests (`ratio_to_bound`). `planned_render`: the shards carry
+    planning's render cache, as the pipeline's do (False: generation renders every prompt itself).
     """
     layout = RunLayout(work_dir / tag)
-    n_written = _write_shards(layout, prompts, shards, per_shard)
     # One request per prompt, as the figures in benchmarks/README.md were measured.
     spec = RunSpec(model_path=str(chat.model_dir), sampling=SamplingSpec(max_new_tokens=max_new_tokens), turns="last")
+    n_written = _write_shards(layout, prompts, shards, per_shard, preparer_for(spec, chat) if planned_render else None)
     pids = [_standin_pid(int(ep.url.rsplit(":", 1)[1])) for ep in endpoints]
     with contextlib.ExitStack() as stack:
         dispatcher = stack.enter_context(Dispatcher(endpoints, log_interval_s=15.0, stall_timeout_s=300.0))
@@ -395,6 +411,12 @@ def main(argv: list[str] | None = None) -> int:
         "after a pilot), FIFO otherwise",
     )
     ap.add_argument("--seed", type=int, default=7, help="prompt texts and the pilot sample")
+    ap.add_argument(
+        "--render-at-generation",
+        action="store_true",
+        help="shards without planning's render cache: every prompt is rendered by its shard worker (the path of a "
+        "box that fetched only the prompts file; the benchmark's path before 2026-12-04)",
+    )
     args = ap.parse_args(argv)
     # Killed with SIGTERM (timeout, another engineer's cleanup): unwind, so the stand-in servers are stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -449,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
                 tag=name,
                 ideal=ideal,
                 bound=([lengths[p.prompt_id] for p in orders[name]], timing),
+                planned_render=not args.render_at_generation,
             )
         main_name = "long-first" if "long-first" in runs else "fifo"
         main_run = runs[main_name]
