@@ -6,8 +6,9 @@ and generation. The render happens once, at planning: the loader's ids travel wi
 and planning writes them beside the shard's prompts file (`shard-NNNNN.input-ids.arrow`), so generation reads
 them instead of rendering and tokenizing every prompt a second time. The file is a cache, not part of the plan:
 it names the prompts file (sha256) and the render (model fingerprint, thinking) it was made for, and
-generation renders itself whenever it is missing or made for something else (e.g. a box of a multi-box run,
-which fetches only the prompts file).
+generation renders itself whenever it is missing or made for something else. A multi-box run's parent uploads
+it beside each shard's prompts file and the boxes fetch both (tasks/shard_exchange.py), so a box renders only
+when its model or template differ from the parent's.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 import os
 import tempfile
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,15 @@ from datagen.prompt_view import PromptView, PromptViewError, model_view
 from datagen.records import Message
 from datagen.storage import sha256_file
 
-__all__ = ["Preparer", "RenderedIds", "Unsendable", "read_rendered", "rendered_path", "write_rendered"]
+__all__ = [
+    "Preparer",
+    "RenderedIds",
+    "Unsendable",
+    "install_rendered",
+    "read_rendered",
+    "rendered_path",
+    "write_rendered",
+]
 
 log = logging.getLogger(__name__)
 
@@ -104,11 +113,29 @@ def write_rendered(prompts_path: Path, prompts_sha256: str, render_key: str, ids
         offsets.append(len(values))
     column = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, pa.int32()))
     table = pa.Table.from_arrays([column], schema=_IDS_SCHEMA.with_metadata(metadata))
+
+    def write(tmp: str) -> None:
+        with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table)
+
+    _replace(target, write)
+
+
+def install_rendered(prompts_path: Path, data: bytes) -> None:
+    """Put a render cache made on another machine (the planning box's) beside the prompts file.
+
+    Nothing is trusted from it but its bytes: `read_rendered` uses it only when it names this prompts file's
+    sha256 and the reader's render (model fingerprint, thinking); otherwise generation renders itself.
+    """
+    _replace(rendered_path(prompts_path), lambda tmp: Path(tmp).write_bytes(data))
+
+
+def _replace(target: Path, write: Callable[[str], object]) -> None:
+    """Write `target` through a temp file in its folder and a rename: a reader never sees half of it."""
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-            writer.write_table(table)
+        write(tmp)
         os.chmod(tmp, 0o644)
         os.replace(tmp, target)
     except BaseException:

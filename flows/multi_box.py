@@ -131,8 +131,8 @@ def generate_on_box(
 ) -> dict[str, Any]:
     """Start this box's servers and generate claimed shards until every shard of the run is done.
 
-    `prompt_tokens`/`turns_per_conversation`: the run's prompts as the parent planned them (this box fetches only
-    the prompts files, not the render cache), for this box's memory plan on its own GPUs.
+    `prompt_tokens`/`turns_per_conversation`: the run's prompts as the parent planned them (this box fetches each
+    shard's files as it claims it), for this box's memory plan on its own GPUs.
     """
     return failure.reported(_generate_on_box, spec, box, exchange, prompt_tokens, turns_per_conversation)
 

@@ -4,6 +4,7 @@ Everything lives under `_runs/<namespace>/` in the store and is only ever create
 
     plan.json                                        the plan (shard ids, checksums) every box works from
     shards/shard-00042.prompts.jsonl                 a shard's prompts
+    shards/shard-00042.input-ids.arrow               planning's render of them (a cache: datagen.preparation)
     claims/shard-00042/000007.json                   claim number 7: box, owner token, lease expiry
     checkpoints/shard-00042/completions/part-<box>-<owner>-000003.jsonl   checkpoint rows, in immutable parts
     checkpoints/shard-00042/rejects/part-<box>-<owner>-000004.jsonl
@@ -27,6 +28,7 @@ its conversations is settled.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -42,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.checkpoint import read_lines, write_lines
 from datagen.layout import RunLayout
+from datagen.preparation import install_rendered, rendered_path
 from datagen.records import Completion
 from datagen.regeneration import follows, split_step_key
 from datagen.storage import ObjectExists, ObjectStore
@@ -299,6 +302,9 @@ class ShardExchange:
     def prompts_key(self, shard_id: int) -> str:
         return f"{self.root}/shards/{_shard_name(shard_id)}.prompts.jsonl"
 
+    def render_cache_key(self, shard_id: int) -> str:
+        return str(rendered_path(Path(self.prompts_key(shard_id))))
+
     def claims_prefix(self, shard_id: int) -> str:
         return f"{self.root}/claims/{_shard_name(shard_id)}/"
 
@@ -324,9 +330,15 @@ class ShardExchange:
                 ) from None
 
     def publish_plan(self, plan: ShardPlan, layout: RunLayout) -> None:
-        """Upload the shard prompt files, then the plan (last: its presence means every shard file is there)."""
+        """Upload the shard prompt files and render caches, then the plan (last: every shard file is there)."""
         for entry in plan.shards:
-            self._put_same(self.prompts_key(entry.shard_id), layout.shard_prompts(entry.shard_id), entry.sha256)
+            prompts = layout.shard_prompts(entry.shard_id)
+            self._put_same(self.prompts_key(entry.shard_id), prompts, entry.sha256)
+            cache = rendered_path(prompts)
+            if cache.is_file():
+                # A cache, checked by each reader against the prompts and its render: the first upload stays.
+                with contextlib.suppress(ObjectExists):
+                    self.store.put_if_absent(self.render_cache_key(entry.shard_id), cache)
         body = plan_manifest_path(layout).read_bytes()
         self._put_same(self.plan_key, body, hashlib.sha256(body).hexdigest())
 
@@ -337,16 +349,35 @@ class ShardExchange:
         return ShardPlan.model_validate_json(self.store.get_bytes(self.plan_key))
 
     def fetch_prompts(self, plan: ShardPlan, shard_id: int, layout: RunLayout) -> Path:
-        """The shard's prompts file in the local layout (downloaded unless it already matches the plan)."""
+        """The shard's prompts file in the local layout (downloaded unless it already matches the plan).
+
+        The parent's render cache comes with it when the parent uploaded one, so generation sends the ids planning
+        rendered instead of rendering every prompt again (`read_rendered` decides whether they are this box's).
+        """
         entry = next(s for s in plan.shards if s.shard_id == shard_id)
         path = layout.shard_prompts(shard_id)
         if path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == entry.sha256:
+            if not rendered_path(path).is_file():
+                self._fetch_render_cache(shard_id, path)
             return path
         data = self.store.get_bytes(self.prompts_key(shard_id))
         if hashlib.sha256(data).hexdigest() != entry.sha256:
             raise ShardExchangeError(f"{self.store.uri(self.prompts_key(shard_id))} does not match the plan")
         write_lines(path, data.decode("utf-8").splitlines())
+        self._fetch_render_cache(shard_id, path)
         return path
+
+    def _fetch_render_cache(self, shard_id: int, prompts_path: Path) -> None:
+        """The parent's render of the shard beside its prompts file; none uploaded (or damaged): no cache here."""
+        key = self.render_cache_key(shard_id)
+        info = self.store.head(key)
+        data = self.store.get_bytes(key) if info is not None else b""
+        if info is None or hashlib.sha256(data).hexdigest() != info.sha256:
+            if info is not None:
+                logger.warning("%s does not match its stored sha256; this box renders the shard itself", key)
+            rendered_path(prompts_path).unlink(missing_ok=True)
+            return
+        install_rendered(prompts_path, data)
 
     # --- claims --------------------------------------------------------------------------------------
 

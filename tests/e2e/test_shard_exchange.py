@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from datagen.chat import ChatTokenizer
+from datagen.identity import preparer_for
 from datagen.layout import RunLayout
 from datagen.model_fixture import ensure_model_dir
+from datagen.preparation import read_rendered, rendered_path
 from datagen.runspec import ExchangeSpec, MultiBoxSpec, PromptSource, RunSpec
 from datagen.storage import ObjectStore
 from tasks.generation import ShardResult
@@ -179,6 +182,59 @@ def test_plan_upload_is_idempotent_and_refuses_a_different_plan(s3_store: Object
     other = plan_shards(spec.model_copy(update={"shard_size": 3}), RunLayout(tmp_path / "other"))
     with pytest.raises(RunStateConflict, match="new namespace"):
         sx.publish_plan(other, RunLayout(tmp_path / "other"))
+
+
+def test_boxes_fetch_planning_render_with_the_prompts(s3_store: ObjectStore, tmp_path: Path) -> None:
+    """A box sends the ids the parent's planning rendered instead of rendering each prompt again (issue 22)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        "\n".join(json.dumps({"messages": [{"role": "user", "content": f"q{i} " * (i + 1)}]}) for i in range(5)) + "\n"
+    )
+    spec = RunSpec(
+        sources=[PromptSource(path=str(prompts))], shard_size=2, namespace="ns_test", model_path=str(ensure_model_dir())
+    )
+    layout = RunLayout(tmp_path / "run")
+    plan = plan_shards(spec, layout)
+    sx = ShardExchange(s3_store, "ns_test", "parent", "p1")
+    sx.publish_plan(plan, layout)
+    sx.publish_plan(plan, layout)  # a re-run: the cache already there is kept
+    assert s3_store.head(sx.render_cache_key(1)) is not None
+
+    chat = ChatTokenizer.from_model_dir(ensure_model_dir())
+    render_key = preparer_for(spec, chat).render_key
+    box = RunLayout(tmp_path / "box")
+    for entry in plan.shards:
+        fetched = sx.fetch_prompts(plan, entry.shard_id, box)
+        ids, parents = (
+            read_rendered(fetched, render_key),
+            read_rendered(layout.shard_prompts(entry.shard_id), render_key),
+        )
+        assert ids is not None and parents is not None
+        assert [ids[r] for r in range(len(ids))] == [parents[r] for r in range(entry.n_prompts)]
+        assert len(ids) == entry.n_prompts
+    # A box whose render differs (thinking off here) does not take the parent's ids: it renders itself.
+    assert (
+        read_rendered(
+            box.shard_prompts(0),
+            preparer_for(
+                spec.model_copy(update={"sampling": spec.sampling.model_copy(update={"enable_thinking": False})}), chat
+            ).render_key,
+        )
+        is None
+    )
+
+    # A shard without an uploaded cache: the box keeps none (a stale local one is removed with a new download).
+    other = ShardExchange(s3_store, "ns_nocache", "parent", "p1")
+    rendered_path(layout.shard_prompts(0)).unlink()
+    other.publish_plan(plan, layout)
+    assert s3_store.head(other.render_cache_key(0)) is None
+    box2 = RunLayout(tmp_path / "box2")
+    box2.shard_prompts(0).parent.mkdir(parents=True)
+    box2.shard_prompts(0).write_text("stale\n")
+    rendered_path(box2.shard_prompts(0)).write_bytes(b"stale")
+    other.fetch_prompts(plan, 0, box2)
+    assert not rendered_path(box2.shard_prompts(0)).exists()
+    assert read_rendered(box2.shard_prompts(0), render_key) is None
 
 
 def test_specs_reject_leases_renewed_too_late_and_bad_box_names() -> None:
