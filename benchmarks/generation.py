@@ -323,6 +323,7 @@ def run_once(
     ideal: float | None = None,
     bound: tuple[list[int], DecodeModel] | None = None,
     planned_render: bool = True,
+    queue_depth: int | None = None,
 ) -> dict[str, Any]:
     """Generate `prompts` (in this order, cut into `shards`) through one dispatcher; return throughput and memory.
 
@@ -337,7 +338,8 @@ def run_once(
     n_written = _write_shards(layout, prompts, shards, per_shard, preparer_for(spec, chat) if planned_render else None)
     pids = [_standin_pid(int(ep.url.rsplit(":", 1)[1])) for ep in endpoints]
     with contextlib.ExitStack() as stack:
-        dispatcher = stack.enter_context(Dispatcher(endpoints, log_interval_s=15.0, stall_timeout_s=300.0))
+        depth = {} if queue_depth is None else {"queue_depth": queue_depth}  # None: the pipeline's default
+        dispatcher = stack.enter_context(Dispatcher(endpoints, log_interval_s=15.0, stall_timeout_s=300.0, **depth))
         rss = stack.enter_context(_RssSampler())
         dispatcher.wait_ready(60)
         monitor = stack.enter_context(_Monitor(endpoints, dispatcher)) if ideal else None
@@ -412,6 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--seed", type=int, default=7, help="prompt texts and the pilot sample")
     ap.add_argument(
+        "--queue-depth", type=int, default=None, help="requests kept waiting at each server (default: the pipeline's)"
+    )
+    ap.add_argument(
         "--render-at-generation",
         action="store_true",
         help="shards without planning's render cache: every prompt is rendered by its shard worker (the path of a "
@@ -472,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
                 ideal=ideal,
                 bound=([lengths[p.prompt_id] for p in orders[name]], timing),
                 planned_render=not args.render_at_generation,
+                queue_depth=args.queue_depth,
             )
         main_name = "long-first" if "long-first" in runs else "fifo"
         main_run = runs[main_name]

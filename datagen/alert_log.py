@@ -13,14 +13,18 @@ there, and the listener appends one line to `alerts.log` in the state directory:
     python -m datagen.alert_log stop --state-dir .datagen/laptop
     tail -f .datagen/laptop/alerts.log
 
-The listener takes POSTs from any process on this machine (loopback, no credentials): it only ever appends lines.
+The listener is on loopback and takes only posts that carry its bearer token (`Authorization: Bearer ...`): each
+start makes a new one, kept in `alert-log.token` (mode 0600) and in the webhook block's secrets, so another user
+or process on the laptop cannot write lines into the log. It only ever appends lines.
 """
 
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -28,6 +32,8 @@ import time
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+from pydantic import SecretStr
 
 from datagen import alerts
 from datagen.localstack import stop_pid
@@ -37,6 +43,7 @@ __all__ = ["LINE_TEMPLATE", "LOG_NAME", "alert_line", "main", "serve", "start", 
 LOG_NAME = "alerts.log"
 _PID_NAME = "alert-log.pid"
 _PORT_NAME = "alert-log.port"
+_TOKEN_NAME = "alert-log.token"
 _MAX_BODY = 1 << 20
 READY_TIMEOUT_S = 30.0
 
@@ -57,12 +64,24 @@ def alert_line(text: str, now: datetime | None = None) -> str:
     return f"{stamp} {' '.join(text.split())}\n"
 
 
-def serve(log: Path, port_file: Path) -> None:
-    """Listen on a free port of 127.0.0.1 (written to `port_file`) and append each POSTed alert to `log`."""
+def serve(log: Path, port_file: Path, token_file: Path) -> None:
+    """Listen on a free port of 127.0.0.1 (written to `port_file`) and append each POSTed alert to `log`.
+
+    A new bearer token is written to `token_file` (0600) first; a post without it is refused (401), unread.
+    """
     lock = threading.Lock()
+    token = secrets.token_urlsafe(32)
+    expected = f"Bearer {token}".encode()
+    fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        os.fchmod(f.fileno(), 0o600)  # an older file keeps its mode on O_TRUNC
+        f.write(token)
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
+            if not hmac.compare_digest((self.headers.get("Authorization") or "").encode(), expected):
+                self.send_error(401, "missing or wrong bearer token")
+                return
             length = int(self.headers.get("Content-Length") or 0)
             try:
                 if length > _MAX_BODY:
@@ -114,7 +133,8 @@ def start(state_dir: Path) -> str:
                 raise SystemExit(f"alert_log: the listener did not start; see {state_dir / 'alert-log.err'}")
             time.sleep(0.05)
     url = f"http://127.0.0.1:{port_file.read_text(encoding='utf-8')}/"
-    alerts.install(webhook_url=url, body=LINE_TEMPLATE)
+    token = SecretStr((state_dir / _TOKEN_NAME).read_text(encoding="utf-8"))
+    alerts.install(webhook_url=url, body=LINE_TEMPLATE, bearer_token=token)
     return url
 
 
@@ -125,6 +145,7 @@ def stop(state_dir: Path) -> None:
         stop_pid(pid)
     (state_dir / _PID_NAME).unlink(missing_ok=True)
     (state_dir / _PORT_NAME).unlink(missing_ok=True)
+    (state_dir / _TOKEN_NAME).unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     state_dir: Path = args.state_dir
     if args.command == "serve":
-        serve(state_dir / LOG_NAME, state_dir / _PORT_NAME)
+        serve(state_dir / LOG_NAME, state_dir / _PORT_NAME, state_dir / _TOKEN_NAME)
     elif args.command == "start":
         url = start(state_dir)
         print(f"alert_log: failed runs are written to {state_dir / LOG_NAME} (listener {url})")

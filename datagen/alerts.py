@@ -23,6 +23,8 @@ import sys
 from typing import Any
 from uuid import UUID
 
+from pydantic import SecretStr
+
 from datagen import failure
 
 __all__ = [
@@ -116,14 +118,24 @@ def automation_definition(block_document_id: UUID | str, body: str = NOTIFICATIO
     }
 
 
-def _webhook_block(url: str) -> UUID:
+def _webhook_block(url: str, bearer_token: SecretStr | None = None) -> UUID:
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
 
+    # The token lives in the block's secrets (masked when the block is read back), filled into the header on send.
+    auth = (
+        {
+            "headers": {"Authorization": "Bearer {{bearer_token}}"},
+            "secrets": {"bearer_token": bearer_token.get_secret_value()},
+        }
+        if bearer_token
+        else {}
+    )
     block = CustomWebhookNotificationBlock(
         name="datagen alerts",
         url=url,
         method="POST",
         json_data={"subject": "{{subject}}", "text": "{{body}}"},
+        **auth,
     )
     block_id = block.save(WEBHOOK_BLOCK_NAME, overwrite=True)
     return UUID(str(block_id))
@@ -140,14 +152,22 @@ def _existing_block(slug: str) -> UUID:
     return UUID(str(block._block_document_id))
 
 
-def install(webhook_url: str | None = None, block: str | None = None, body: str = NOTIFICATION_BODY) -> UUID:
-    """Create (or replace) the notification automation on the server PREFECT_API_URL names; its id."""
+def install(
+    webhook_url: str | None = None,
+    block: str | None = None,
+    body: str = NOTIFICATION_BODY,
+    bearer_token: SecretStr | None = None,
+) -> UUID:
+    """Create (or replace) the notification automation on the server PREFECT_API_URL names; its id.
+
+    `bearer_token`: sent as `Authorization: Bearer ...` with each post to `webhook_url` (the laptop's listener).
+    """
     from prefect.client.orchestration import get_client
     from prefect.events.schemas.automations import AutomationCore
 
     if bool(webhook_url) == bool(block):
         raise SystemExit("datagen.alerts: give exactly one of --webhook-url and --block")
-    block_id = _webhook_block(webhook_url) if webhook_url else _existing_block(str(block))
+    block_id = _webhook_block(webhook_url, bearer_token) if webhook_url else _existing_block(str(block))
     automation = AutomationCore.model_validate(automation_definition(block_id, body))
     with get_client(sync_client=True) as client:
         for existing in client.read_automations_by_name(AUTOMATION_NAME):

@@ -14,6 +14,7 @@ while it waits.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import queue
 from collections.abc import Iterator
@@ -176,6 +177,24 @@ def generate_shard(
         from tasks.generation_turns import generate_conversations  # it builds on this module
 
         return generate_conversations(shard_id, layout, dispatcher, chat, spec, flush_interval_s)
+    with contextlib.ExitStack() as place:
+        if dispatcher is not None:
+            # The shard's place in the plan order, held while its checkpoint is read: a higher shard's worker that
+            # gets to the turn first must not send ahead of it (gate.py).
+            place.enter_context(dispatcher.turn.reserved((shard_id,)))
+        return _generate_requests(shard_id, layout, dispatcher, chat, spec, flush_interval_s, place)
+
+
+def _generate_requests(
+    shard_id: int,
+    layout: RunLayout,
+    dispatcher: Dispatcher | None,
+    chat: ChatTokenizer,
+    spec: RunSpec,
+    flush_interval_s: float,
+    place: contextlib.ExitStack,
+) -> ShardResult:
+    """`generate_shard` for one request per prompt; `place` (closed once every request is sent) holds its order."""
     prompts_path = layout.shard_prompts(shard_id)
     completions_path, rejects_path = layout.shard_completions(shard_id), layout.shard_rejects(shard_id)
     key_of = RequestKeys(spec.sampling, chat)
@@ -253,6 +272,12 @@ def generate_shard(
         assert dispatcher is not None
         dispatcher.add_expected(-1)
 
+    def take_turn(order: tuple[int, int]) -> None:
+        """Wait for this request's turn to be prepared, writing finished results meanwhile."""
+        assert dispatcher is not None
+        while not dispatcher.turn.acquire(order, timeout=SUBMIT_POLL_S):
+            harvest(0)
+
     def submit(job: GenerateJob) -> concurrent.futures.Future[GenerateResult]:
         """Hand one request to the dispatcher, writing finished results while it has no room."""
         assert dispatcher is not None  # only unsettled requests are sent, and those need servers (checked above)
@@ -268,24 +293,23 @@ def generate_shard(
             if key in settled or key in seen:
                 continue
             seen.add(key)
+            assert dispatcher is not None  # unsettled requests exist only with servers (checked above)
+            take_turn((shard_id, row))  # prepared in plan order, like the queue lets them in
             try:
-                assert dispatcher is not None  # unsettled requests exist only with servers (checked above)
-                with dispatcher.turn((shard_id, row)):  # prepared in plan order, like the queue lets them in
-                    ids = (
-                        prepare.fitting(rendered[row])
-                        if rendered is not None
-                        else prepare(prompt.messages, prompt.tools)
-                    )
+                ids = prepare.fitting(rendered[row]) if rendered is not None else prepare(prompt.messages, prompt.tools)
             except Unsendable as exc:
                 rejects.write(generation_reject(prompt, key, exc.reason, exc.detail).to_json())
                 settled_unsent()
                 continue
+            finally:
+                dispatcher.turn.release()
             job = GenerateJob(ids, sampling, label=prompt.prompt_id, order=(shard_id, row))  # the plan's order
             fut = submit(job)
             inflight[fut] = (prompt, key, len(ids), row)
             fut.add_done_callback(finished.put)  # after the entry exists: harvest pops it
             n_sent += 1
             harvest(0)
+        place.close()  # every request is in the dispatcher's queue: later shards may go ahead now
         while inflight:
             harvest(flush_interval_s)
     finally:

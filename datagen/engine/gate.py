@@ -5,6 +5,11 @@ again whenever the servers change) and the place is given back once the request 
 is the other (capacity 1, "the turn"): shard workers render and tokenize under it, so when the client is the
 bottleneck (fast servers, a busy CPU) the lowest shards still advance first and finish first, and are validated
 and tokenized while the rest still generate.
+
+A waiter only gets in ahead of those that are waiting. A shard worker that is still reading its checkpoint when a
+higher shard's worker asks for the turn is not waiting yet, so `reserved(prefix)` holds its place from the start:
+while it is held, no waiter whose position comes after the prefix (and does not start with it) gets in. Without it,
+a long-first plan's longest requests could miss the first wave and wait a whole generation for a free slot.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class PlanOrderGate:
         self._capacity = max(1, capacity)
         self._held = 0
         self._waiting: list[_Waiter] = []
+        self._reserved: list[tuple[int, ...]] = []  # sorted prefixes held by `reserved`
         self._tickets = itertools.count()
         self._closed = False
 
@@ -75,11 +81,12 @@ class PlanOrderGate:
         with self._lock:
             if self._closed:
                 raise GateClosed("gate is closed")
-            if not self._waiting and self._held < self._capacity:
+            if not self._waiting and self._held < self._capacity and not self._held_back(order):
                 self._held += 1
                 return True
             me = _Waiter((order, next(self._tickets)))
             bisect.insort(self._waiting, me)
+            self._grant()  # it may be first in line already (e.g. behind a reservation it is part of)
         me.event.wait(timeout)
         with self._lock:
             if me.granted:
@@ -104,6 +111,18 @@ class PlanOrderGate:
                 waiter.event.set()
 
     @contextlib.contextmanager
+    def reserved(self, prefix: tuple[int, ...]) -> Iterator[None]:
+        """Hold back every waiter whose position comes after `prefix` and does not start with it, for the block."""
+        with self._lock:
+            bisect.insort(self._reserved, prefix)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._reserved.remove(prefix)
+                self._grant()
+
+    @contextlib.contextmanager
     def __call__(self, order: tuple[int, ...]) -> Iterator[None]:
         """Hold a place for the block: `with gate(order): ...`."""
         self.acquire(order)
@@ -112,9 +131,15 @@ class PlanOrderGate:
         finally:
             self.release()
 
+    def _held_back(self, order: tuple[int, ...]) -> bool:
+        """A reservation comes before `order` (caller holds the lock)."""
+        return bool(self._reserved) and self._reserved[0] < order[: len(self._reserved[0])]
+
     def _grant(self) -> None:
         """Let waiters in, lowest plan position first, while there is room (caller holds the lock)."""
         while self._waiting and self._held < self._capacity and not self._closed:
+            if self._held_back(self._waiting[0].key[0]):
+                return
             first = self._waiting.pop(0)
             first.granted = True
             self._held += 1

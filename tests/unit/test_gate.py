@@ -69,3 +69,33 @@ def test_a_waiter_times_out_without_a_place_and_closing_wakes_the_rest() -> None
     assert len(errors) == 1
     with pytest.raises(GateClosed):
         gate.acquire((3,))
+
+
+def test_a_reserved_shard_holds_back_later_positions_until_it_is_released() -> None:
+    """A shard still reading its checkpoint keeps its place in the plan: a higher shard waiting first gets no turn."""
+    gate = PlanOrderGate(1)
+    admitted: list[tuple[int, ...]] = []
+
+    def take(order: tuple[int, ...]) -> None:
+        assert gate.acquire(order, timeout=30)
+        admitted.append(order)
+        gate.release()
+
+    with gate.reserved((2,)):
+        later = threading.Thread(target=take, args=((5, 0),))
+        later.start()
+        _wait_for(lambda: gate.waiting == 1)
+        assert gate.acquire((5, 1), timeout=0.05) is False  # free capacity, and still held back
+        take((1, 9))  # lower than the reservation: in at once
+        take((2, 0))  # the reserved shard's own positions: in at once
+        take((2, 149))
+        assert admitted == [(1, 9), (2, 0), (2, 149)] and gate.waiting == 1
+    later.join(30)
+    assert admitted[-1] == (5, 0) and gate.held == 0 and gate.waiting == 0
+
+    with gate.reserved((3,)), gate.reserved((1,)):  # the lowest reservation counts; both must go
+        late = threading.Thread(target=take, args=((4,),))
+        late.start()
+        _wait_for(lambda: gate.waiting == 1)
+    late.join(30)
+    assert admitted[-1] == (4,)

@@ -1,0 +1,78 @@
+"""A shard worker that is slow to start (reading a large checkpoint) keeps its place in the plan order.
+
+Before, the preparation turn went to whichever worker was waiting: a higher shard that got there first filled the
+servers, and the late shard's requests (in a long-first plan, the longest) waited a whole generation for a slot.
+Real stand-in server over HTTP; the late start is forced by slowing shard 0's checkpoint read.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tasks.generation as generation
+from datagen.chat import ChatTokenizer
+from datagen.engine.dispatcher import Dispatcher, GenerateJob
+from datagen.identity import prompt_id_from_messages
+from datagen.layout import RunLayout
+from datagen.model_fixture import ensure_model_dir
+from datagen.records import Prompt
+from datagen.runspec import RunSpec, SamplingSpec
+from datagen.standin.testing import run_standin
+
+PER_SHARD = 6
+KNOBS = {"DATAGEN_STANDIN_LOAD_S": "0.1", "DATAGEN_STANDIN_WARMUP_S": "0.1", "DATAGEN_STANDIN_LENGTH_MEAN": "20"}
+
+
+def test_a_late_shard_worker_still_sends_before_higher_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model_dir = ensure_model_dir()
+    chat = ChatTokenizer.from_model_dir(model_dir)
+    spec = RunSpec(model_path=str(model_dir), sampling=SamplingSpec(max_new_tokens=32), turns="last")
+    layout = RunLayout(tmp_path / "run")
+    for shard in (0, 1):
+        path = layout.shard_prompts(shard)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            for i in range(PER_SHARD):
+                messages = [{"role": "user", "content": f"Shard {shard}, question {i}: what is {i} squared?"}]
+                f.write(Prompt(prompt_id_from_messages("t", messages), "t", i, messages).to_json() + "\n")
+
+    # Shard 0's worker reads its checkpoint slowly (a large one), so shard 1's worker reaches the turn first.
+    reading = threading.Event()
+    settled_keys = generation.settled_keys
+
+    def slow_settled_keys(path: Path, kind: Any) -> set[str]:
+        if path.name.startswith("shard-00000"):
+            reading.set()
+            time.sleep(1.5)
+        return settled_keys(path, kind)
+
+    monkeypatch.setattr(generation, "settled_keys", slow_settled_keys)
+
+    with (
+        run_standin(model_dir, args=("--max-running-requests", "4"), env=KNOBS) as endpoint,
+        Dispatcher([endpoint], queue_depth=0, stall_timeout_s=120) as dispatcher,
+    ):
+        assert dispatcher.wait_ready(60)
+        submitted: list[tuple[int, ...]] = []
+        submit = dispatcher.submit
+
+        def recording_submit(job: GenerateJob, *, timeout: float | None = None) -> Any:
+            future = submit(job, timeout=timeout)
+            submitted.append(job.order)
+            return future
+
+        monkeypatch.setattr(dispatcher, "submit", recording_submit)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(generation.generate_shard, 0, layout, dispatcher, chat, spec, 2.0)
+            assert reading.wait(60)  # shard 0's worker has started and is reading its checkpoint
+            second = pool.submit(generation.generate_shard, 1, layout, dispatcher, chat, spec, 2.0)
+            results = [first.result(timeout=120), second.result(timeout=120)]
+
+    assert [r.n_completed for r in results] == [PER_SHARD, PER_SHARD]
+    assert submitted == [(0, i) for i in range(PER_SHARD)] + [(1, i) for i in range(PER_SHARD)]
