@@ -356,6 +356,16 @@ def _wait_for_run_named(api: PrefectApi, deployment_id: str, name: str, timeout:
         time.sleep(0.5)
 
 
+def _page_text_once_it_holds(page: Page, parts: tuple[str, ...], timeout_s: float = 60.0) -> str:
+    """The page's main text, read again until it holds every part (it draws in pieces) or `timeout_s` passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = page.inner_text("main") if page.locator("main").count() else page.inner_text("body")
+        if all(part in text for part in parts) or time.monotonic() > deadline:
+            return text
+        page.wait_for_timeout(250)
+
+
 def test_failed_run_page_shows_the_failing_task_and_message(ui_stack: UiStack, tmp_path: Path) -> None:
     deployment = ui_stack.api.deployment("expand-dataset", "manual")
     spec = {
@@ -401,7 +411,7 @@ def test_failed_run_page_shows_the_failing_task_and_message(ui_stack: UiStack, t
             expect(heading).to_be_in_viewport(timeout=30_000)
             # The artifact's markdown renders in pieces on a loaded box: read the page once its last part is drawn.
             page.get_by_text("The error, in full").first.wait_for(timeout=60_000)
-            text = page.inner_text("main") if page.locator("main").count() else page.inner_text("body")
+            text = _page_text_once_it_holds(page, (line, "Failing task", "The error, in full"))
             first = text[: text.index(line)]
             assert "check environment" not in first and "attention" not in first, first  # nothing said before it
             assert "Failing task" in text and "The error, in full" in text, text
