@@ -173,15 +173,15 @@ def generate_shard(
     `dispatcher` may be None when the caller knows (`unsettled_requests`) that the checkpoint settles them all.
     In `turns: every` mode each prompt is a conversation generated step by step (tasks/generation_turns.py).
     """
-    if spec.turns == "every":
-        from tasks.generation_turns import generate_conversations  # it builds on this module
-
-        return generate_conversations(shard_id, layout, dispatcher, chat, spec, flush_interval_s)
     with contextlib.ExitStack() as place:
         if dispatcher is not None:
             # The shard's place in the plan order, held while its checkpoint is read: a higher shard's worker that
             # gets to the turn first must not send ahead of it (gate.py).
             place.enter_context(dispatcher.turn.reserved((shard_id,)))
+        if spec.turns == "every":
+            from tasks.generation_turns import generate_conversations  # it builds on this module
+
+            return generate_conversations(shard_id, layout, dispatcher, chat, spec, flush_interval_s, place)
         return _generate_requests(shard_id, layout, dispatcher, chat, spec, flush_interval_s, place)
 
 

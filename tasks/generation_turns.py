@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import queue
 from collections.abc import Iterator
@@ -170,8 +171,10 @@ class _ShardConversations:
         chat: ChatTokenizer,
         spec: RunSpec,
         flush_interval_s: float,
+        place: contextlib.ExitStack,
     ) -> None:
         self.shard_id = shard_id
+        self.place = place  # the shard's reservation of its plan order: closed once every conversation is opened
         self.completions_path, self.rejects_path = layout.shard_completions(shard_id), layout.shard_rejects(shard_id)
         self.prompts_path = layout.shard_prompts(shard_id)
         self.dispatcher = dispatcher
@@ -242,6 +245,7 @@ class _ShardConversations:
             else:
                 opened = opened or self._open_next(todo, ledgers)
                 if opened is None:
+                    self.place.close()  # every conversation is open: later shards may go ahead now
                     if not self.inflight:
                         return
                     self._harvest(self.flush_interval_s)
@@ -388,8 +392,11 @@ def generate_conversations(
     dispatcher: Dispatcher | None,
     chat: ChatTokenizer,
     spec: RunSpec,
-    flush_interval_s: float = 2.0,
+    flush_interval_s: float,
+    place: contextlib.ExitStack,
 ) -> ShardResult:
     """Generate every conversation of one shard its checkpoint has not settled, each step once; counts in
-    `ShardResult` are conversations (`n_prompts`), step lines (`n_completed`) and reject lines (`n_rejected`)."""
-    return _ShardConversations(shard_id, layout, dispatcher, chat, spec, flush_interval_s).run()
+    `ShardResult` are conversations (`n_prompts`), step lines (`n_completed`) and reject lines (`n_rejected`).
+
+    `place` holds the shard's plan order (generate_shard's reservation) until every conversation is opened."""
+    return _ShardConversations(shard_id, layout, dispatcher, chat, spec, flush_interval_s, place).run()
