@@ -17,11 +17,6 @@ import concurrent.futures
 import contextlib
 import logging
 import queue
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
-
-from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.chat import ChatTokenizer
 from datagen.checkpoint import CheckpointAppender, CheckpointError, read_rows, settled_keys, summarize
@@ -30,9 +25,17 @@ from datagen.engine.dispatcher import Dispatcher, GenerateJob, SubmitTimeout
 from datagen.identity import RequestKeys, preparer_for
 from datagen.layout import RunLayout
 from datagen.preparation import Unsendable, read_rendered
-from datagen.records import Completion, Prompt, Reject, ToolCall
+from datagen.records import Prompt
 from datagen.runspec import RunSpec
-from datagen.toolcalls import answer_text, parse_tool_calls
+from tasks.generation_turns import generate_conversations, unsettled_conversations
+from tasks.shard_generation import (
+    SUBMIT_POLL_S,
+    GenerationIncomplete,
+    ShardResult,
+    completion_record,
+    generation_reject,
+    read_prompts,
+)
 
 __all__ = [
     "CheckpointError",
@@ -47,101 +50,6 @@ __all__ = [
 
 logger = logging.getLogger("datagen.generation")
 
-# How long a shard worker waits for room in the dispatcher's queue before it writes what has finished meanwhile.
-SUBMIT_POLL_S = 0.25
-
-
-class GenerationIncomplete(RuntimeError):
-    """Some requests of the shard ended without a result (servers down, stalled, retries exhausted).
-
-    Everything else was written, so a retry of the shard sends only the missing requests.
-    """
-
-
-class ShardResult(BaseModel):
-    """What the generation stage hands on: references and counts, never records."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    shard_id: int
-    completions_path: str
-    rejects_path: str
-    n_prompts: int = Field(description="Distinct requests in the shard (conversations in `turns: every` mode).")
-    n_completed: int
-    n_rejected: int
-    n_sent: int = Field(description="Requests sent by this call (0 when the checkpoint already settled all).")
-    output_tokens: int
-    completions_sha256: str
-
-
-def read_prompts(path: Path) -> Iterator[Prompt]:
-    """The prompts of a shard's prompts file, in plan order."""
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: shard prompts file missing")
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield Prompt.from_json(line)
-                except (ValueError, TypeError) as exc:
-                    raise CheckpointError(f"{path}: line {n} is not a Prompt: {exc}") from exc
-
-
-def generation_reject(prompt: Prompt, key: str, reason: str, detail: str) -> Reject:
-    """The generation stage's reject row of one request of `prompt`."""
-    return Reject(
-        stage="generate",
-        reason=reason,
-        detail=detail,
-        source=prompt.source,
-        row=prompt.row,
-        prompt_id=prompt.prompt_id,
-        request_key=key,
-        location=prompt.location,
-    )
-
-
-def completion_record(
-    prompt: Prompt, key: str, sent_tokens: int, result: GenerateResult, plan_index: int
-) -> Completion:
-    """The checkpoint line of one finished request of `prompt`, exactly as the server returned it."""
-    # plan_index: the prompt's line in its shard, so validation can follow plan order, not finish order.
-    meta: dict[str, Any] = {
-        "rid": result.rid,
-        "finish": result.finish_detail,
-        "e2e_latency": result.e2e_latency,
-        "plan_index": plan_index,
-    }
-    if result.prompt_tokens != sent_tokens:
-        meta["server_prompt_tokens"] = result.prompt_tokens
-    return Completion(
-        prompt_id=prompt.prompt_id,
-        source=prompt.source,
-        row=prompt.row,
-        messages=prompt.messages,
-        request_key=key,
-        prompt_tokens=sent_tokens,
-        output_ids=result.output_ids,
-        text=result.text,
-        finish_reason=result.finish_reason,
-        completion_tokens=result.completion_tokens,
-        server=result.server,
-        latency_s=round(result.latency_s, 3),
-        category=prompt.category,
-        meta=meta,
-        location=prompt.location,
-        normalized=prompt.normalized,
-        tools=prompt.tools,
-        tool_calls=_tool_calls(prompt, result.text),
-    )
-
-
-def _tool_calls(prompt: Prompt, text: str) -> list[ToolCall] | None:
-    """The calls in the answer of a prompt that declares tools (parsed as SGLang's qwen3_coder parser does)."""
-    if not prompt.tools:
-        return None
-    return parse_tool_calls(answer_text(text), prompt.tools) or None
-
 
 def unsettled_requests(shard_id: int, layout: RunLayout, chat: ChatTokenizer, spec: RunSpec) -> int:
     """Requests of the shard its checkpoint has no result for: 0 means the shard needs no server.
@@ -149,8 +57,6 @@ def unsettled_requests(shard_id: int, layout: RunLayout, chat: ChatTokenizer, sp
     In `turns: every` mode: the conversations it has not settled (their further steps are not known yet).
     """
     if spec.turns == "every":
-        from tasks.generation_turns import unsettled_conversations  # it builds on this module
-
         return unsettled_conversations(shard_id, layout, chat, spec)
     key_of = RequestKeys(spec.sampling, chat)
     keys = {key_of(p.prompt_id) for p in read_prompts(layout.shard_prompts(shard_id))}
@@ -179,8 +85,6 @@ def generate_shard(
             # gets to the turn first must not send ahead of it (gate.py).
             place.enter_context(dispatcher.turn.reserved((shard_id,)))
         if spec.turns == "every":
-            from tasks.generation_turns import generate_conversations  # it builds on this module
-
             return generate_conversations(shard_id, layout, dispatcher, chat, spec, flush_interval_s, place)
         return _generate_requests(shard_id, layout, dispatcher, chat, spec, flush_interval_s, place)
 

@@ -47,7 +47,7 @@ from datagen.regeneration import (
 )
 from datagen.repetition import word_tokens
 from datagen.runspec import RunSpec
-from tasks.generation import (
+from tasks.shard_generation import (
     SUBMIT_POLL_S,
     GenerationIncomplete,
     ShardResult,
