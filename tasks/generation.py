@@ -16,11 +16,10 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-import queue
 
 from datagen.chat import ChatTokenizer
-from datagen.checkpoint import CheckpointAppender, CheckpointError, read_rows, settled_keys, summarize
-from datagen.engine.client import GenerateResult, ProtocolError, RequestRejected, sampling_params_for
+from datagen.checkpoint import CheckpointAppender, CheckpointError, settled_keys
+from datagen.engine.client import GenerateResult, sampling_params_for
 from datagen.engine.dispatcher import Dispatcher, GenerateJob, SubmitTimeout
 from datagen.identity import RequestKeys, preparer_for
 from datagen.layout import RunLayout
@@ -31,10 +30,13 @@ from tasks.generation_turns import generate_conversations, unsettled_conversatio
 from tasks.shard_generation import (
     SUBMIT_POLL_S,
     GenerationIncomplete,
+    InFlight,
+    Refused,
     ShardResult,
     completion_record,
     generation_reject,
     read_prompts,
+    shard_result,
 )
 
 __all__ = [
@@ -136,38 +138,18 @@ def _generate_requests(
     prepare = preparer_for(spec, chat)
     # Planning's render of these prompts (None: render here, e.g. a shard fetched by a box of a multi-box run).
     rendered = read_rendered(prompts_path, prepare.render_key) if todo else None
-    inflight: dict[concurrent.futures.Future[GenerateResult], tuple[Prompt, str, int, int]] = {}
-    # Futures land here as they finish (done-callbacks run on the dispatcher's thread; only this one writes).
-    finished: queue.SimpleQueue[concurrent.futures.Future[GenerateResult]] = queue.SimpleQueue()
-    failures: list[BaseException] = []
-    n_sent = 0
+    inflight: InFlight[tuple[Prompt, str, int, int]] = InFlight()
     seen: set[str] = set()
     completions = CheckpointAppender(completions_path, flush_interval_s)
     rejects = CheckpointAppender(rejects_path, flush_interval_s)
 
     def harvest(timeout: float) -> None:
         """Write every finished result; wait up to `timeout` for the first one when none has finished."""
-        batch: list[concurrent.futures.Future[GenerateResult]] = []
-        try:
-            batch.append(finished.get(timeout=timeout) if timeout > 0 else finished.get_nowait())
-            while True:
-                batch.append(finished.get_nowait())
-        except queue.Empty:
-            pass
-        for fut in batch:
-            prompt, key, sent, plan_index = inflight.pop(fut)
-            try:
-                result = fut.result()
-            except RequestRejected as exc:
-                rejects.write(
-                    generation_reject(prompt, key, "server_rejected", f"{exc.server}: {exc.message}").to_json()
-                )
-            except ProtocolError as exc:
-                rejects.write(generation_reject(prompt, key, "protocol_error", str(exc)).to_json())
-            except Exception as exc:  # not about this prompt: left unsettled so a shard retry resends it
-                failures.append(exc)
-            else:
-                completions.write(completion_record(prompt, key, sent, result, plan_index).to_json())
+        for outcome, (prompt, key, sent, plan_index) in inflight.finished(timeout):
+            if isinstance(outcome, Refused):
+                rejects.write(generation_reject(prompt, key, outcome.reason, outcome.detail).to_json())
+            elif outcome is not None:
+                completions.write(completion_record(prompt, key, sent, outcome, plan_index).to_json())
         completions.sync_if_due()
         rejects.sync_if_due()
 
@@ -208,48 +190,15 @@ def _generate_requests(
             finally:
                 dispatcher.turn.release()
             job = GenerateJob(ids, sampling, label=prompt.prompt_id, order=(shard_id, row))  # the plan's order
-            fut = submit(job)
-            inflight[fut] = (prompt, key, len(ids), row)
-            fut.add_done_callback(finished.put)  # after the entry exists: harvest pops it
-            n_sent += 1
+            inflight.add(submit(job), (prompt, key, len(ids), row))
             harvest(0)
         place.close()  # every request is in the dispatcher's queue: later shards may go ahead now
-        while inflight:
+        while inflight.items:
             harvest(flush_interval_s)
     finally:
-        for fut in inflight:
-            fut.cancel()  # only queued ones cancel; what runs finishes on the servers, unrecorded
+        inflight.cancel()
         completions.close()
         rejects.close()
 
-    if failures:
-        raise GenerationIncomplete(
-            f"shard {shard_id}: {len(failures)} of {n_sent} requests sent got no result; everything else is "
-            f"checkpointed and a retry sends only those. First error: {failures[0]}"
-        ) from failures[0]
-
-    n_completed, output_tokens, sha = summarize(completions_path)
-    n_rejected = sum(1 for _ in read_rows(rejects_path))
-    if n_completed + n_rejected != len(shard_keys):
-        raise CheckpointError(
-            f"shard {shard_id}: {n_completed} completed + {n_rejected} rejected != {len(shard_keys)} requests"
-        )
-    logger.info(
-        "shard %d done: %d completed, %d rejected, %d sent now, %d output tokens",
-        shard_id,
-        n_completed,
-        n_rejected,
-        n_sent,
-        output_tokens,
-    )
-    return ShardResult(
-        shard_id=shard_id,
-        completions_path=str(completions_path),
-        rejects_path=str(rejects_path),
-        n_prompts=len(shard_keys),
-        n_completed=n_completed,
-        n_rejected=n_rejected,
-        n_sent=n_sent,
-        output_tokens=output_tokens,
-        completions_sha256=sha,
-    )
+    inflight.check(shard_id, "requests", "everything else is checkpointed and a retry sends only those")
+    return shard_result(shard_id, completions_path, rejects_path, len(shard_keys), inflight.n_sent, len(shard_keys))
