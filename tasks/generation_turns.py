@@ -17,16 +17,15 @@ the conversation there anyway, so nothing after it is generated.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
+import contextlib
 import logging
-import queue
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from datagen.chat import ChatTokenizer
-from datagen.checkpoint import CheckpointAppender, CheckpointError, read_lines, read_rows, summarize
-from datagen.engine.client import GenerateResult, ProtocolError, RequestRejected, sampling_params_for
+from datagen.checkpoint import CheckpointAppender, CheckpointError, read_lines, read_rows
+from datagen.engine.client import GenerateResult, sampling_params_for
 from datagen.engine.dispatcher import Dispatcher, GenerateJob, SubmitTimeout
 from datagen.faults import kill_point
 from datagen.identity import RequestKeys, preparer_for
@@ -46,13 +45,15 @@ from datagen.regeneration import (
 )
 from datagen.repetition import word_tokens
 from datagen.runspec import RunSpec
-from tasks.generation import (
+from tasks.shard_generation import (
     SUBMIT_POLL_S,
-    GenerationIncomplete,
+    InFlight,
+    Refused,
     ShardResult,
     completion_record,
     generation_reject,
     read_prompts,
+    shard_result,
 )
 
 __all__ = ["conversation_keys", "generate_conversations", "read_ledger", "step_check", "unsettled_conversations"]
@@ -170,8 +171,10 @@ class _ShardConversations:
         chat: ChatTokenizer,
         spec: RunSpec,
         flush_interval_s: float,
+        place: contextlib.ExitStack,
     ) -> None:
         self.shard_id = shard_id
+        self.place = place  # the shard's reservation of its plan order: closed once every conversation is opened
         self.completions_path, self.rejects_path = layout.shard_completions(shard_id), layout.shard_rejects(shard_id)
         self.prompts_path = layout.shard_prompts(shard_id)
         self.dispatcher = dispatcher
@@ -179,13 +182,9 @@ class _ShardConversations:
         self.sampling = sampling_params_for(spec.sampling)
         self.flush_interval_s = flush_interval_s
         self.key_of = RequestKeys(spec.sampling, chat)
-        self.inflight: dict[concurrent.futures.Future[GenerateResult], tuple[_Conversation, Script, StepRequest]] = {}
-        # Futures land here as they finish (done-callbacks run on the dispatcher's thread; only this one writes).
-        self.finished: queue.SimpleQueue[concurrent.futures.Future[GenerateResult]] = queue.SimpleQueue()
+        self.inflight: InFlight[tuple[_Conversation, Script, StepRequest]] = InFlight()
         # Next steps of conversations under way: sent before any conversation that has not started.
         self.ready: collections.deque[tuple[_Conversation, Script, StepRequest]] = collections.deque()
-        self.failures: list[BaseException] = []
-        self.n_sent = 0
         self.completions: CheckpointAppender  # opened by run(), once the ledger is known to be this shard's
         self.rejects: CheckpointAppender
 
@@ -218,16 +217,14 @@ class _ShardConversations:
             if todo:  # nothing to open: the checkpoint (or a pilot's import) settled every conversation
                 self._generate(iter(todo), ledgers)
         finally:
-            for fut in self.inflight:
-                fut.cancel()  # only queued ones cancel; what runs finishes on the servers, unrecorded
+            self.inflight.cancel()
             self.completions.close()
             self.rejects.close()
-        if self.failures:
-            raise GenerationIncomplete(
-                f"shard {self.shard_id}: {len(self.failures)} of {self.n_sent} steps sent got no result; every "
-                f"step before them is checkpointed and a retry resumes those conversations there. First error: "
-                f"{self.failures[0]}"
-            ) from self.failures[0]
+        self.inflight.check(
+            self.shard_id,
+            "steps",
+            "every step before them is checkpointed and a retry resumes those conversations there",
+        )
         return self._result(conversations)
 
     def _generate(self, todo: Iterator[_Conversation], ledgers: dict[str, _Ledger]) -> None:
@@ -242,7 +239,8 @@ class _ShardConversations:
             else:
                 opened = opened or self._open_next(todo, ledgers)
                 if opened is None:
-                    if not self.inflight:
+                    self.place.close()  # every conversation is open: later shards may go ahead now
+                    if not self.inflight.items:
                         return
                     self._harvest(self.flush_interval_s)
                     continue
@@ -263,9 +261,7 @@ class _ShardConversations:
                 continue  # (a prepared opening stays in `opened`)
             if not from_ready:
                 opened = None
-            self.inflight[fut] = item
-            fut.add_done_callback(self.finished.put)  # after the entry exists: harvest pops it
-            self.n_sent += 1
+            self.inflight.add(fut, item)
 
     def _open_next(
         self, todo: Iterator[_Conversation], ledgers: dict[str, _Ledger]
@@ -306,32 +302,19 @@ class _ShardConversations:
 
     def _harvest(self, timeout: float) -> None:
         """Write every finished step and queue its successor; wait up to `timeout` for the first one."""
-        batch: list[concurrent.futures.Future[GenerateResult]] = []
-        try:
-            batch.append(self.finished.get(timeout=timeout) if timeout > 0 else self.finished.get_nowait())
-            while True:
-                batch.append(self.finished.get_nowait())
-        except queue.Empty:
-            pass
-        for fut in batch:
-            self._settle(fut, *self.inflight.pop(fut))
+        for outcome, item in self.inflight.finished(timeout):
+            self._settle(outcome, *item)
         self.completions.sync_if_due()
         self.rejects.sync_if_due()
 
     def _settle(
-        self, fut: concurrent.futures.Future[GenerateResult], conv: _Conversation, script: Script, req: StepRequest
+        self, result: GenerateResult | Refused | None, conv: _Conversation, script: Script, req: StepRequest
     ) -> None:
         key = step_key(conv.key, req.step)
-        try:
-            result = fut.result()
-        except RequestRejected as exc:
-            self._write_reject(conv, req.step, "server_rejected", f"{exc.server}: {exc.message}")
+        if isinstance(result, Refused):
+            self._write_reject(conv, req.step, result.reason, result.detail)
             return
-        except ProtocolError as exc:
-            self._write_reject(conv, req.step, "protocol_error", str(exc))
-            return
-        except Exception as exc:  # not about this step: left unsettled so a shard retry resumes here
-            self.failures.append(exc)
+        if result is None:  # not about this step (InFlight.failures): left unsettled, a shard retry resumes here
             return
         c = completion_record(conv.prompt, key, len(req.prompt_ids), result, conv.row)
         assert self.dispatcher is not None
@@ -359,26 +342,8 @@ class _ShardConversations:
         open_ = [key for key in conversations if key not in ledgers or not ledgers[key].settled]
         if open_:
             raise CheckpointError(f"shard {self.shard_id}: {len(open_)} conversations neither ended nor rejected")
-        n_completed, output_tokens, sha = summarize(self.completions_path)
-        n_rejected = sum(1 for _ in read_lines(self.rejects_path))
-        logger.info(
-            "shard %d done: %d completed, %d rejected, %d sent now, %d output tokens",
-            self.shard_id,
-            n_completed,
-            n_rejected,
-            self.n_sent,
-            output_tokens,
-        )
-        return ShardResult(
-            shard_id=self.shard_id,
-            completions_path=str(self.completions_path),
-            rejects_path=str(self.rejects_path),
-            n_prompts=len(conversations),
-            n_completed=n_completed,
-            n_rejected=n_rejected,
-            n_sent=self.n_sent,
-            output_tokens=output_tokens,
-            completions_sha256=sha,
+        return shard_result(
+            self.shard_id, self.completions_path, self.rejects_path, len(conversations), self.inflight.n_sent
         )
 
 
@@ -388,8 +353,11 @@ def generate_conversations(
     dispatcher: Dispatcher | None,
     chat: ChatTokenizer,
     spec: RunSpec,
-    flush_interval_s: float = 2.0,
+    flush_interval_s: float,
+    place: contextlib.ExitStack,
 ) -> ShardResult:
     """Generate every conversation of one shard its checkpoint has not settled, each step once; counts in
-    `ShardResult` are conversations (`n_prompts`), step lines (`n_completed`) and reject lines (`n_rejected`)."""
-    return _ShardConversations(shard_id, layout, dispatcher, chat, spec, flush_interval_s).run()
+    `ShardResult` are conversations (`n_prompts`), step lines (`n_completed`) and reject lines (`n_rejected`).
+
+    `place` holds the shard's plan order (generate_shard's reservation) until every conversation is opened."""
+    return _ShardConversations(shard_id, layout, dispatcher, chat, spec, flush_interval_s, place).run()
