@@ -26,9 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
-def _post(url: str, body: dict, timeout: float) -> tuple[float, dict | None, str | None]:
+def _post(url: str, body: dict, timeout: float, headers: dict | None = None) -> tuple[float, dict | None, str | None]:
     t = time.monotonic()
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST")
+    h = {"Content-Type": "application/json", **(headers or {})}
+    req = urllib.request.Request(url, json.dumps(body).encode(), h, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return time.monotonic() - t, json.loads(r.read()), None
@@ -64,6 +65,7 @@ def run(
     timeout: float = 500.0,
     log: Path | None = None,
     seed: int = 0,
+    headers: dict | None = None,
 ) -> dict:
     rng = random.Random(seed)
     bodies = [
@@ -90,7 +92,7 @@ def run(
     poller.start()
     t0 = time.monotonic()
     with ThreadPoolExecutor(max_workers=requests) as ex:
-        results = list(ex.map(lambda b: _post(base + "/generate", b, timeout), bodies))
+        results = list(ex.map(lambda b: _post(base + "/generate", b, timeout, headers), bodies))
     wall = time.monotonic() - t0
     stop.set()
     poller.join(timeout=5)

@@ -181,6 +181,7 @@ def main() -> int:
         rec.step("generate", lambda: asyncio.run(generate(endpoint, vocab)))
         rec.step("cancel", lambda: asyncio.run(cancel(endpoint, vocab)), 40)
         need = 30 + a.requests * (a.max_new * 0.03)
+        rec.step("bench_raw", lambda: bench_raw(endpoint, a, vocab), need)
         rec.step("dispatch", lambda: dispatch(fleet, settings, a, vocab), need)
         rec.step("hang", lambda: hang(fleet, endpoint, settings, a, vocab), a.hang_timeout * 3 + 40)
     finally:
@@ -256,6 +257,19 @@ async def cancel(endpoint: ServerEndpoint, vocab: int) -> dict[str, Any]:
                 break
             await asyncio.sleep(0.25)
     return {"running_before_cancel": running_before, "running_zero_after_s": freed_after}
+
+
+def bench_raw(endpoint: ServerEndpoint, a: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """The same workload as `dispatch`, sent by bench.py (one thread a request, ignore_eos): the bound to compare."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench
+
+    headers = {"Authorization": f"Bearer {KEY.get_secret_value()}"}
+    left = max(30.0, until() - time.time() - 20)
+    r: dict[str, Any] = bench.run(endpoint.url, a.requests, a.prompt_len, a.max_new, vocab, left, None, 3, headers)
+    r.pop("log_batch_lines", None)
+    r.pop("metrics_samples", None)
+    return r
 
 
 def dispatch(fleet: ServerFleet, settings: Settings, a: argparse.Namespace, vocab: int) -> dict[str, Any]:
