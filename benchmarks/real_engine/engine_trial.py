@@ -184,7 +184,15 @@ def main() -> int:
     probed = GpuMemory(
         gpu_seen["total_bytes"], gpu_seen["free_bytes"], WEIGHTS_ESTIMATE, card_bandwidth(gpu_seen["name"])
     )
-    summary: dict[str, Any] = {"gpu": gpu_seen, "phases": {}, "model_shape": asdict(model)}
+    # A bench sends at least as many requests as the plan (with 0.5.17's reservations) expects to run at once at
+    # its context, so a card larger than the one the sizes were chosen on is measured at its plan, not below it.
+    scaled = []
+    for prompt, output, n in benches:
+        ctx_plan = plan_memory(model, for_engine(probed, "0.5.17"), prompt + output, context_source="bench size")
+        expect = ctx_plan.launched.concurrency(prompt + output) if ctx_plan.launched else n
+        scaled.append((prompt, output, min(256, max(n, expect))))
+    benches = scaled
+    summary: dict[str, Any] = {"gpu": gpu_seen, "phases": {}, "model_shape": asdict(model), "benches": benches}
     calibrated: GpuMemory | None = None
     calibrated_from: LoggedPools | None = None
     for i, phase in enumerate(a.phase):
