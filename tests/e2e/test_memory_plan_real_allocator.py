@@ -10,6 +10,7 @@ HTTP, with the stand-in taking the 0.5.17 reservation that the plan does not kno
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -198,3 +199,19 @@ def test_a_server_still_short_after_recalibration_fails_with_the_numbers(tmp_pat
     assert "memory pools short of the plan" in message
     assert "KV pool" in message and "where the plan predicted" in message
     assert fleet.pids() == {}  # nothing left running
+
+
+def test_the_plan_takes_what_the_probed_engine_reserves(tmp_path: Path, model: ModelShape) -> None:
+    """The probe names SGLang 0.5.17: the plan sizes with its 1 GiB multimodal pool and its VLM cache outside."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": WEIGHTS}}))
+    settings = Settings(engine="sglang", work_dir=tmp_path / "work")
+    device = {"name": "NVIDIA H100 80GB HBM3", "total_memory_bytes": H100_BYTES, "free_memory_bytes": PROBE_FREE}
+    for version, reserved in (("0.5.17", GIB), ("0.5.23", 0), ("0.5.20", 0)):
+        probe = {"devices": [device], "packages": {"sglang": version}}
+        gpu = environment._planned_gpu(settings, probe, model_dir)
+        assert isinstance(gpu, GpuMemory)
+        assert gpu.engine_reserved_bytes == reserved
+        assert gpu.vlm_cache_in_pools is (version != "0.5.17")
+        assert gpu.pre_model_load_bytes == PROBE_FREE - 512 * 2**20 - reserved
