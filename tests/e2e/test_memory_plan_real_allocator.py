@@ -215,3 +215,13 @@ def test_the_plan_takes_what_the_probed_engine_reserves(tmp_path: Path, model: M
         assert gpu.engine_reserved_bytes == reserved
         assert gpu.vlm_cache_in_pools is (version != "0.5.17")
         assert gpu.pre_model_load_bytes == PROBE_FREE - 512 * 2**20 - reserved
+
+
+def test_the_fixture_config_has_what_a_real_0_5_17_needs() -> None:
+    """Without rope_parameters SGLang 0.5.17 fails at model build (KeyError 'rope_theta'); without a dtype it runs
+    float16 and the GDN conv kernel fails to compile (both seen on the lent H100)."""
+    config = json.loads((ensure_model_dir() / "config.json").read_text(encoding="utf-8"))
+    text = config["text_config"]
+    assert text["rope_parameters"]["rope_theta"] == 10_000_000
+    assert text["rope_parameters"]["partial_rotary_factor"] == 0.25
+    assert text["dtype"] == text["torch_dtype"] == config["torch_dtype"] == "bfloat16"
