@@ -96,9 +96,12 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--hang-timeout", type=float, default=15.0)
     p.add_argument("--start-timeout", type=float, default=420.0)
+    p.add_argument("--attach", help="URL of a server started elsewhere (attach mode: no launch, no pool check)")
+    p.add_argument("--attach-pgid", type=int, help="its process group, for the hang step")
+    p.add_argument("--tag", default="", help="suffix of the result file's name")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
-    rec = Recorder(a.out / f"datagen-{a.engine}.json")
+    rec = Recorder(a.out / f"datagen-{a.engine}{a.tag}.json")
     os.environ.setdefault("DATAGEN_MODEL_ROOTS", str(a.model.parent))
     settings = Settings(
         engine=a.engine,
@@ -110,6 +113,7 @@ def main() -> int:
         sglang_api_key=KEY,
         server_hang_timeout_s=a.hang_timeout,
         allowed_compute_capabilities=["9.0"],
+        server_urls=[a.attach] if a.attach else [],
     )
     server_args = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--enable-metrics"]
     server_args += ["--skip-server-warmup"]
@@ -136,20 +140,34 @@ def main() -> int:
         state["probe"] = doc
         return {"probe": doc}
 
-    rec.step("probe", probe, 30)
+    if a.attach:
+        state["probe"] = {"devices": [{"name": "attached", "total_memory_bytes": 1, "free_memory_bytes": 1}]}
+    else:
+        rec.step("probe", probe, 30)
     devices = state.get("probe", {}).get("devices") or []
     if not devices:
         return 1
     dev = devices[0]
     free = dev.get("free_memory_bytes") or dev["total_memory_bytes"]
     gpu = GpuMemory(dev["total_memory_bytes"], free, WEIGHTS_ESTIMATE, card_bandwidth(str(dev.get("name", ""))))
-    plan = plan_memory(model, gpu, a.plan_context, context_source=f"{a.plan_context} tokens a request")
+    plan = (
+        plan_memory(model, gpu, a.plan_context, context_source=f"{a.plan_context} tokens a request")
+        if not a.attach
+        else None
+    )
     fleet = ServerFleet(settings, spec, layout, KEY, memory_plan=plan)
 
     def launch() -> dict[str, Any]:
         server = fleet._servers[0]
         t0 = time.monotonic()
         fleet.start()
+        if plan is None:
+            return {
+                "attached": a.attach,
+                "health_wait_seconds": round(time.monotonic() - t0, 1),
+                "engine_version": fleet.engine_version,
+                "endpoint_max_running": fleet.endpoints[0].max_running_requests if fleet.endpoints else None,
+            }
         log = (layout.logs_dir / "server-0.log").read_text(errors="replace")
         final = fleet.memory_plan
         key_file = fleet._key_config
@@ -183,7 +201,9 @@ def main() -> int:
         need = 30 + a.requests * (a.max_new * 0.03)
         rec.step("bench_raw", lambda: bench_raw(endpoint, a, vocab), need)
         rec.step("dispatch", lambda: dispatch(fleet, settings, a, vocab), need)
-        rec.step("hang", lambda: hang(fleet, endpoint, settings, a, vocab), a.hang_timeout * 3 + 40)
+        pgid = a.attach_pgid or fleet.pids().get(endpoint.name)
+        if pgid:
+            rec.step("hang", lambda: hang(pgid, fleet, endpoint, a, vocab), a.hang_timeout * 3 + 40)
     finally:
         pids = fleet.pids()
         rec.step("stop", lambda: stop(fleet, pids), 0)
@@ -302,14 +322,12 @@ def dispatch(fleet: ServerFleet, settings: Settings, a: argparse.Namespace, voca
     }
 
 
-def hang(
-    fleet: ServerFleet, endpoint: ServerEndpoint, settings: Settings, a: argparse.Namespace, vocab: int
-) -> dict[str, Any]:
+def hang(pgid: int, fleet: ServerFleet, endpoint: ServerEndpoint, a: argparse.Namespace, vocab: int) -> dict[str, Any]:
     rng = random.Random(4)
-    sampling = {"max_new_tokens": 256, "temperature": 1.0, "top_p": 0.95, "top_k": 20}
+    # Long enough to be in flight when the server stops (1024 decode steps: ~22 s on the lent H100).
+    sampling = {"max_new_tokens": 1024, "temperature": 1.0, "top_p": 0.95, "top_k": 20}
     downs: list[float] = []
     t0 = time.monotonic()
-    pgid = fleet.pids()[endpoint.name]
     with Dispatcher(
         fleet.endpoints, on_server_down=lambda _s: downs.append(time.monotonic() - t0), hang_timeout_s=a.hang_timeout
     ) as d:

@@ -47,7 +47,8 @@ for part in "$@"; do
   case "$part" in
     trial)
       PYTHONPATH=$S/site:$G/site:$G/src python3 "$R/engine_trial.py" --model "$S/model" --out "$OUT" \
-        --phase defaults --phase plan:456 --bench 200x256x48 --bench 3840x256x24 ;;
+        --phase defaults --phase plan:456 --bench 200x256x48 --bench 3840x256x24 \
+        --then-datagen "$G/site:$G/src:$S/site" ;;
     trial4k)
       PYTHONPATH=$S/site:$G/site:$G/src python3 "$R/engine_trial.py" --model "$S/model" --out "$OUT" \
         --phase defaults --phase plan:4096 --bench 3840x256x24 --port 30200 ;;

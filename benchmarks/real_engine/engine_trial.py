@@ -174,6 +174,11 @@ def main() -> int:
     p.add_argument("--port", type=int, default=30100)
     p.add_argument("--server-module", default="sglang.launch_server", help="datagen.standin for a rehearsal")
     p.add_argument("--fake-gpu", help="NAME:TOTAL:FREE bytes, for a rehearsal without a GPU")
+    p.add_argument(
+        "--then-datagen",
+        metavar="PYTHONPATH",
+        help="after the last phase's benches, run datagen_on_engine.py attached to that server with this path",
+    )
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     benches = [tuple(int(x) for x in b.split("x")) for b in a.bench]
@@ -256,6 +261,15 @@ def main() -> int:
                             1, expected.max_total_num_tokens
                         )
                 record["benches"] = run_benches(base, log, mine, vocab)
+                if a.then_datagen and i == len(a.phase) - 1 and until() - time.time() > 60:
+                    env = dict(os.environ, PYTHONPATH=a.then_datagen)
+                    cmd = [sys.executable, str(HERE / "datagen_on_engine.py"), "--engine", "sglang"]
+                    cmd += ["--model", str(a.model), "--out", str(a.out), "--work", str(a.out / "dg-work")]
+                    cmd += ["--attach", base, "--attach-pgid", str(proc.pid), "--tag=-attached"]
+                    cmd += ["--requests", str(max(24, mine[0][2] if mine else 24)), "--hang-timeout", "10"]
+                    if mine:
+                        cmd += ["--prompt-len", str(mine[0][0]), "--max-new", str(mine[0][1])]
+                    record["datagen_attached_exit"] = subprocess.run(cmd, env=env, check=False).returncode
                 if calibrated is not None:
                     for b in record["benches"]:
                         running = b.get("log_max_running_req") or 0
