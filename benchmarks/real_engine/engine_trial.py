@@ -264,7 +264,7 @@ def main() -> int:
                 if a.then_datagen and i == len(a.phase) - 1 and until() - time.time() > 60:
                     env = dict(os.environ, PYTHONPATH=a.then_datagen)
                     cmd = [sys.executable, str(HERE / "datagen_on_engine.py"), "--engine", "sglang"]
-                    cmd += ["--model", str(a.model), "--out", str(a.out), "--work", str(a.out / "dg-work")]
+                    cmd += ["--model", str(a.model), "--out", str(a.out), "--work", "/tmp/dg-attached-work"]
                     cmd += ["--attach", base, "--attach-pgid", str(proc.pid), "--tag=-attached"]
                     cmd += ["--requests", str(max(24, mine[0][2] if mine else 24)), "--hang-timeout", "10"]
                     if mine:
