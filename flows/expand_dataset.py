@@ -36,7 +36,7 @@ from datagen.dataset_card import Lineage, write_dataset_card
 from datagen.engine import plan_trial
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.launcher import ServerFleet
-from datagen.engine.memory_plan import numerics_flags
+from datagen.engine.memory_plan import MemoryPlan, numerics_flags
 from datagen.engine.stats import DispatcherStats
 from datagen.identity import generation_cache_key
 from datagen.layout import RunLayout
@@ -288,6 +288,7 @@ class _Generated:
     final_stats: DispatcherStats | None = None  # None when no server was needed
     throughput: list[tuple[str, float]] = field(default_factory=list)
     engine_version: str | None = None
+    plan_args: list[str] | None = None  # the memory plan's flags the servers ran (recalibrated at launch, or not)
 
 
 def _generate(
@@ -301,10 +302,12 @@ def _generate(
     progress_id: UUID,
     clock: report.StageClock,
     plan_args: Sequence[str] = (),
+    memory_plan: MemoryPlan | None = None,
 ) -> _Generated:
     """Every shard generated (validated and tokenized as each is done); servers only when a shard has work left.
 
-    `plan_args`: the memory plan's flags the servers start with (`serving` passes them to the fleet).
+    `plan_args`: the memory plan's flags the servers start with (`serving` passes them to the fleet);
+    `memory_plan`: the plan, whose predicted pools the fleet checks against each server's log.
     """
     logger = get_run_logger()
     if not any(pending.values()):  # a retry whose shards are all checkpointed loads no model
@@ -313,7 +316,9 @@ def _generate(
         description = f"Generation of {spec.namespace}: all prompts settled before"
         update_progress_artifact(artifact_id=progress_id, progress=100.0, description=description)
         return _Generated(results)
-    with serving(settings, spec, layout, plan_args=plan_args, start=start_servers_task) as served:
+    with serving(
+        settings, spec, layout, plan_args=plan_args, memory_plan=memory_plan, start=start_servers_task
+    ) as served:
         clock.mark("server start")
         settled_before = plan.n_prompts - sum(pending.values())
         label = f"Generation of {spec.namespace}: "
@@ -330,7 +335,10 @@ def _generate(
             results = _generate_shards(plan, spec, layout, chat, served.dispatcher, stream)
         if progress.last_stats is not None:
             logger.info("%s", progress.last_stats.line())
-        return _Generated(results, progress.last_stats, progress.throughput_series(), served.fleet.engine_version)
+        fleet = served.fleet
+        return _Generated(
+            results, progress.last_stats, progress.throughput_series(), fleet.engine_version, list(fleet.plan_args)
+        )
 
 
 def _step_tail(plan: planning.ShardPlan, layout: RunLayout) -> StepTail:
@@ -490,8 +498,13 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
     pending = pending_task(plan.shard_ids, layout, chat, spec)
     stream = finishing.StreamingFinish(plan.shard_ids, layout, chat, spec)
     plan_args = memory_plan.plan_args if memory_plan else []
-    generated = _generate(settings, spec, layout, chat, plan, pending, stream, progress_id, clock, plan_args)
+    generated = _generate(
+        settings, spec, layout, chat, plan, pending, stream, progress_id, clock, plan_args, memory_plan
+    )
     shard_results, final_stats = generated.shard_results, generated.final_stats
+    if generated.plan_args is not None and generated.plan_args != list(plan_args):
+        # The fleet found the engine's pools short of the plan and relaunched with it recalibrated (issue 37).
+        plan_args = generated.plan_args
     clock.mark("generation")
 
     note = f"kept by the pilot's side-by-side trial: {kept_why}" if memory_plan and memory_plan.kept_by_trial else None
