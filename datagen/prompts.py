@@ -17,6 +17,7 @@ earlier turns and a leading system prompt are kept; the last kept turn must be a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -39,7 +40,11 @@ from datagen.preparation import Unsendable
 from datagen.records import Message, Prompt, Reject, Role
 from datagen.runspec import PromptSource
 
-__all__ = ["LOAD_REJECT_REASONS", "LOCAL_SUFFIXES", "PromptSourceError", "iter_prompts"]
+__all__ = ["LOAD_REJECT_KEY_PREFIX", "LOAD_REJECT_REASONS", "LOCAL_SUFFIXES", "PromptSourceError", "iter_prompts"]
+
+# A load reject's `request_key`: "row:" + a hash of its source label, its row in that source and the row's
+# content, so a later expansion over the same (grown) source knows this row was rejected and published before.
+LOAD_REJECT_KEY_PREFIX = "row:"
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +202,13 @@ def _to_prompt(
             prompt_id = prompt_id_from_messages(label, messages, tools)
     except Unsendable as err:  # _RowError included
         return Reject(
-            stage="load", reason=err.reason, detail=f"{where}: {err.detail}", source=label, row=row, location=where
+            stage="load",
+            reason=err.reason,
+            detail=f"{where}: {err.detail}",
+            source=label,
+            row=row,
+            location=where,
+            request_key=_row_key(label, row, raw),
         )
     if prompt_id in seen:
         return Reject(
@@ -208,6 +219,7 @@ def _to_prompt(
             row=row,
             prompt_id=prompt_id,
             location=where,
+            request_key=_row_key(label, row, raw),
         )
     seen.add(prompt_id)
     prompt = Prompt(
@@ -222,6 +234,18 @@ def _to_prompt(
     )
     prompt.input_ids = input_ids  # the render its id came from: planning keeps it for generation
     return prompt
+
+
+def _row_key(label: str, row: int, raw: Any) -> str:
+    """The load reject key of one input row (LOAD_REJECT_KEY_PREFIX): same source, place and content, same key."""
+    # Rows are appended to growing sources, so (label, row) stays put; the content makes a rewritten row new.
+    content = (
+        f"{raw.reason}\0{raw.message}"
+        if isinstance(raw, _Unreadable)
+        else json.dumps(raw, sort_keys=True, ensure_ascii=False, default=str)
+    )
+    digest = hashlib.sha256(f"{label}\0{row}\0{content}".encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{LOAD_REJECT_KEY_PREFIX}{digest[:32]}"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -142,6 +142,7 @@ def _quality_gate(
     reject_paths: list[str],
     downstream_reasons: dict[str, int] | None = None,
     namespace: str = "",
+    published_before: int = 0,
 ) -> validation.GateReport:
     downstream = downstream_reasons or {}
     report = validation.check_quality_gate(
@@ -152,6 +153,7 @@ def _quality_gate(
         upstream_reasons,
         reject_paths,
         downstream,
+        published_before=published_before,
     )
     create_markdown_artifact(
         markdown=validation.render_validation_report(summary, report),
@@ -224,11 +226,13 @@ def finish_dataset(
     plan_args: Sequence[str] = (),
     plan_note: str | None = None,
     plan_args_by_box: Mapping[str, Sequence[str]] | None = None,
+    skipped: tuple[int, int] = (0, 0),
 ) -> tokenization.TokenizationSummary:
     """Gate what the stream validated, close tokenization, gate again and write the dataset card.
 
     Without a `stream` (callers that did not finish shards while generating), every shard is finished here.
     `plan_args` (or `plan_args_by_box`, a multi-box run) and `plan_note` are the memory plan the card records.
+    `skipped`: the plan's prompts and old load rejects skipped as published before (the gate and the card).
     """
     if stream is None:
         stream = finishing.StreamingFinish([r.shard_id for r in shard_results], layout, chat, spec)
@@ -252,6 +256,7 @@ def finish_dataset(
         # Every tokenize reject by its reason: "tokenize=3" said nothing a person could act on.
         {k: v for k, v in tokenized.rejects_by_reason.items() if k.startswith("tokenize/")},
         namespace=spec.namespace,
+        published_before=skipped[0],
     )
     pinned = pin_facts(layout.pinned_facts, run_id)
     # Published with the data: each reject reason's share and example rows, and the gate that passed.
@@ -276,6 +281,8 @@ def finish_dataset(
             # The first attempt's: a re-run must publish the README.md its interrupted attempt claimed.
             run_id=pinned.run_id,
             created_at=pinned.created_at,
+            skipped_published=skipped[0],
+            old_rejects_skipped=skipped[1],
         ),
         sizes=tokenized.sizes(),
     )
@@ -412,19 +419,23 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
         if spec.skip_published
         else set()
     )
+    # Rows another namespace published as load rejects: skipped like published prompts, neither judged by the
+    # gates nor published again (a source's permanent broken rows must not fail every later expansion).
+    old_rejects = catalog.published_load_rejects(store, exclude={spec.namespace}) if spec.skip_published else set()
     projection = pilot.load_projection(settings.work_dir, spec.pilot) if spec.pilot else None
     select, selection = ordering.run_filter(
         spec, skip, layout.root / "sort-spill", projection.length_model if projection else None
     )
     clock.mark("environment checks, tokenizer, catalog")
-    plan = plan_task(spec, layout, select=select)
+    plan = plan_task(spec, layout, select=select, published=skip, old_rejects=old_rejects)
     clock.mark("planning")
     logger.info(
-        "planned %d prompts in %d shards (%d load rejects, %d published before and skipped)",
+        "planned %d prompts in %d shards (%d load rejects; skipped as published before: %d prompts and %d old rejects)",
         plan.n_prompts,
         len(plan.shard_ids),
         plan.n_load_rejects,
-        len(skip),
+        plan.n_skipped_published,
+        plan.n_old_rejects_skipped,
     )
     if selection is not None:
         create_markdown_artifact(
@@ -437,12 +448,13 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
         markdown, message = report.nothing_to_do_report(
             spec.namespace,
             [src.path for src in spec.sources],
-            len(skip),
+            plan.n_skipped_published,
             [n for n in catalog.catalog_namespaces(store) if n != spec.namespace] if skip else [],
             plan.n_load_rejects,
             spec.skip_published,
             selection.model_dump() if selection is not None else None,
             plan.n_rows_in_sources,
+            n_old_rejects=plan.n_old_rejects_skipped,
         )
         create_markdown_artifact(
             markdown=markdown, key="run-report", description=f"Run report of {spec.namespace}: nothing to do"
@@ -453,7 +465,9 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
             "namespace": spec.namespace,
             "prompts": 0,
             "rows_read": plan.n_rows,
-            "skipped_published": len(skip),
+            "skipped_published": plan.n_skipped_published,
+            "old_rejects_skipped": plan.n_old_rejects_skipped,
+            "load_rejects": plan.n_load_rejects,
         }
         # A Completed state with a message: the run list and the run page say "nothing new" at a glance.
         return cast("dict[str, Any]", Completed(message=message, data={**summary, "message": message}))
@@ -496,7 +510,16 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
 
     note = f"kept by the pilot's side-by-side trial: {kept_why}" if memory_plan and memory_plan.kept_by_trial else None
     tokenized = finish_dataset(
-        spec, layout, chat, plan.n_load_rejects, shard_results, run_id, stream, plan_args, plan_note=note
+        spec,
+        layout,
+        chat,
+        plan.n_load_rejects,
+        shard_results,
+        run_id,
+        stream,
+        plan_args,
+        plan_note=note,
+        skipped=(plan.n_skipped_published, plan.n_old_rejects_skipped),
     )
     clock.mark("validation + tokenization")
     turn_counts = _step_tail(plan, layout).poll() if spec.turns == "every" else None
@@ -514,6 +537,8 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
         "rows": tokenized.n_rows,
         "rejects": tokenized.n_rejects,
         "rejects_by_reason": tokenized.rejects_by_reason,
+        "skipped_published": plan.n_skipped_published,
+        "old_rejects_skipped": plan.n_old_rejects_skipped,
     } | (
         # Every turn only (a `last` run's manifest is unchanged): the run's conversation counts, and the published
         # conversations/ lines and user turns (one row each).
@@ -560,6 +585,8 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
         lengths=report.completion_lengths(Path(r.completions_path) for r in shard_results),
         conversations=turn_counts,
         link=dataset_link,
+        skipped_published=plan.n_skipped_published,
+        old_rejects_skipped=plan.n_old_rejects_skipped,
     )
     create_markdown_artifact(
         markdown=report.run_report(facts),
