@@ -80,7 +80,11 @@ def _at_load(summary: dict[str, object]) -> int:
 
 
 def test_scheduled_expansions_over_a_growing_source_with_broken_rows(
-    prefect_api: None, pipeline_env: dict[str, str], local_s3: LocalS3, tmp_path: Path
+    prefect_api: None,
+    pipeline_env: dict[str, str],
+    local_s3: LocalS3,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     # Issue 35.1-3: skipped rows were not counted, so the source's permanent rejects became the whole load gate
     # (nothing new -> "all rows read were rejected"), every expansion published them again, and the log named
@@ -110,9 +114,13 @@ def test_scheduled_expansions_over_a_growing_source_with_broken_rows(
     assert "old rejects skipped" in second["message"]
     assert not store.exists(f"{second['namespace']}/")
 
-    # 5 new rows: exactly they are published, the old rejects are not published again.
+    # 5 new rows: exactly they are published, the old rejects are not published again. Another set in the catalog
+    # (not in these sources): the planning log counts the rows this run skipped, not the catalog's size.
+    _publish_rows(store, tmp_path, "other-set", ["x1", "x2", "x3"], {"x4": "truncated"})
     _write(chat_file, "chat", 5, start=10)
+    caplog.clear()
     third = expand_dataset(spec())
+    assert "skipped as published before: 10 prompts and 2 old rejects" in caplog.text
     assert third["namespace"] == "expansion_v2" and third["prompts"] == 5
     assert third["skipped_published"] == 10 and third["old_rejects_skipped"] == 2
     v2_ids = _published_ids(store, "expansion_v2")

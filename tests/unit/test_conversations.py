@@ -288,3 +288,52 @@ def test_prompt_with_tools_round_trips_through_its_json_line(tmp_path: Path) -> 
     (p,), _ = load(write_jsonl(tmp_path / "t.jsonl", [OPENAI_ROW]))
     back = Prompt.from_json(p.to_json())
     assert back == p and back.tools == [WEATHER]
+
+
+def _qwen25_row(call_text: str) -> dict[str, Any]:
+    return {
+        "messages": [
+            {"role": "user", "content": "Weather in Oslo for 2 days?"},
+            {"role": "assistant", "content": f"Let me check.\n{call_text}"},
+            {"role": "tool", "content": '{"temp_c": 4}'},
+            {"role": "assistant", "content": "Snow, about 4 C."},
+        ],
+        "tools": [WEATHER],
+    }
+
+
+def test_a_recorded_qwen25_json_call_in_the_content_is_a_call(tmp_path: Path, chat: ChatTokenizer) -> None:
+    # Issue 35.8: the call stayed text, and the tool result after it was refused as bad_tool_turn.
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+    identity = PromptIdentity(Preparer(chat, True, 100_000))
+    (p,), rejects = load(write_jsonl(tmp_path / "t.jsonl", [_qwen25_row(call)]), identity=identity)
+    assert rejects == []
+    assert p.messages[1] == Message(
+        "assistant", "Let me check.", tool_calls=(ToolCall("get_weather", {"city": "Oslo", "days": 2}),)
+    )
+    # The same call given as OpenAI tool_calls loads to the same prompt.
+    openai = _qwen25_row("")
+    openai["messages"][1] = {
+        "role": "assistant",
+        "content": "Let me check.",
+        "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}}
+        ],
+    }
+    (q,), _ = load(write_jsonl(tmp_path / "o.jsonl", [openai]), identity=identity)
+    assert p.input_ids == q.input_ids
+
+
+@pytest.mark.parametrize(
+    ("call_text", "detail"),
+    [
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>', "the call is not JSON"),
+        ('<tool_call>\n{"arguments": {"city": "Oslo"}}\n</tool_call>', "has no function name"),
+        ('<tool_call>\n{"name": "get_weather", "arguments": {}}', "not a JSON call closed by </tool_call>"),
+    ],
+)
+def test_a_broken_qwen25_call_is_a_reject_that_names_the_call(tmp_path: Path, call_text: str, detail: str) -> None:
+    f = write_jsonl(tmp_path / "bad.jsonl", [_qwen25_row(call_text)])
+    _, (r,) = load(f)
+    assert r.reason == "bad_tool_call" and r.location == f"{f}:1"
+    assert "messages[1].content <tool_call> 0" in r.detail and detail in r.detail, r.detail
