@@ -337,3 +337,42 @@ def test_a_broken_qwen25_call_is_a_reject_that_names_the_call(tmp_path: Path, ca
     _, (r,) = load(f)
     assert r.reason == "bad_tool_call" and r.location == f"{f}:1"
     assert "messages[1].content <tool_call> 0" in r.detail and detail in r.detail, r.detail
+
+
+def test_the_same_prompt_in_two_sources_is_planned_once_under_the_first(tmp_path: Path, chat: ChatTokenizer) -> None:
+    # Issue 35.5: the prompt id holds the source label, so one conversation given in OpenAI form in one source and in
+    # ShareGPT form in another was planned (and generated) twice.
+    openai = write_jsonl(
+        tmp_path / "a.jsonl",
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": "Name a prime."},
+                    {"role": "assistant", "content": "7"},
+                    {"role": "user", "content": "And another?"},
+                ]
+            }
+        ],
+    )
+    sharegpt = write_jsonl(
+        tmp_path / "b.jsonl",
+        [
+            {
+                "conversations": [
+                    {"from": "human", "value": "Name a prime."},
+                    {"from": "gpt", "value": "7"},
+                    {"from": "human", "value": "And another?"},
+                ]
+            },
+            {"conversations": [{"from": "human", "value": "Name a square."}]},
+        ],
+    )
+    identity = PromptIdentity(Preparer(chat, True, 100_000))
+    for ident in (identity, None):  # rendered ids (every run) and messages (no model at hand)
+        items = list(iter_prompts([PromptSource(path=str(openai)), PromptSource(path=str(sharegpt))], identity=ident))
+        prompts = [i for i in items if isinstance(i, Prompt)]
+        (dup,) = [i for i in items if isinstance(i, Reject)]
+        assert [(p.source, p.row) for p in prompts] == [("a", 0), ("b", 1)]
+        assert dup.reason == "duplicate_prompt" and dup.source == "b" and dup.location == f"{sharegpt}:1"
+        assert "same prompt as a row of source 'a', planned once under that source" in dup.detail, dup.detail
+        assert dup.prompt_id is not None and dup.prompt_id != prompts[0].prompt_id
