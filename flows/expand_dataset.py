@@ -196,8 +196,10 @@ def publish_dataset(
 def published_before(store: ObjectStore, spec: RunSpec, layout: RunLayout) -> dict[str, Any] | None:
     """The summary of a run whose earlier attempt already published it (killed after its manifest), else None.
 
-    Its catalog part is written if it is missing; nothing else is done (no servers, no generation).
+    Its catalog part is written if it is missing; nothing else is done (no servers, no generation). A namespace
+    another run spec published is refused (PublishError naming that run) before anything is done.
     """
+    publishing.refuse_other_run(store, spec.namespace, spec.model_dump(mode="json"))
     manifest = publishing.published_as_staged(store, spec.namespace, layout.staging_dir)
     if manifest is None:
         return None
@@ -525,6 +527,9 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
     turn_counts = _step_tail(plan, layout).poll() if spec.turns == "every" else None
     lineage = {
         "run_spec": spec.model_dump(mode="json"),
+        # Named when another run spec targets this namespace (publishing.refuse_other_run).
+        "run_id": run_id,
+        "run_name": ctx.flow_run.name if ctx and ctx.flow_run else None,
         "model_path": spec.model_path,
         "model_fingerprint": chat.fingerprint,
         "chat_template_hash": chat.template_hash,

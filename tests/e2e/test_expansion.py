@@ -143,6 +143,13 @@ def test_scheduled_expansions_over_a_growing_source_with_broken_rows(
     assert manifest["lineage"]["run_spec"]["namespace"] == "expansion_v3"
     assert manifest["lineage"]["old_rejects_skipped"] == 2
 
+    # Issue 35.6: another run spec into a published namespace is refused, naming that run (it ended green, as
+    # "published by an earlier attempt of this run", when the work dir held that run's staged files).
+    v3 = _snapshot(store, "expansion_v3/")
+    with pytest.raises(Exception, match=r"'expansion_v3' was published by another run \(run expand .*source_targets"):
+        expand_dataset(spec(source_targets={"code": 6}, namespace="expansion_v3"))
+    assert _snapshot(store, "expansion_v3/") == v3
+
     # Every broken row is in exactly one published rejects object; the first namespace is untouched.
     rejects = _load_rejects(store)
     assert len(rejects) == len(set(rejects)) == 4
