@@ -13,6 +13,7 @@ shows the distributions that tripped it.
 from __future__ import annotations
 
 import hashlib
+import json
 from array import array
 from collections import Counter
 from dataclasses import dataclass
@@ -323,11 +324,18 @@ def _hash64(data: bytes) -> int:
 
 
 class DuplicateIndex:
-    """Remembers accepted samples by 8-byte hashes: the first one is kept, later copies are rejected."""
+    """Remembers accepted samples by 8-byte hashes: the first one is kept, later copies are rejected.
+
+    Every-turn steps are also remembered by their request (the history they were conditioned on): two
+    conversations that open the same way send the same request, and a deterministic server (temperature 0) answers
+    it the same way. That answer is each conversation's own turn, not a copy: it is kept in both, so neither loses
+    its later, distinct turns.
+    """
 
     def __init__(self) -> None:
         self._requests: set[int] = set()
         self._outputs: dict[int, str] = {}
+        self._step_requests: dict[int, int] = {}  # output key -> the step request that first produced it
 
     def check_and_add(self, c: Completion, reject_duplicate_completions: bool) -> Verdict:
         """Reject a repeated request key, or output ids already accepted for another prompt; else remember them."""
@@ -335,13 +343,26 @@ class DuplicateIndex:
         if rkey in self._requests:
             return Verdict("duplicate_request", f"request key {c.request_key} was already accepted")
         okey = _hash64(array("i", c.output_ids).tobytes())
+        request = _step_request(c)
         if reject_duplicate_completions:
             first = self._outputs.get(okey)
-            if first is not None and first != c.prompt_id:
+            same_request = request is not None and self._step_requests.get(okey) == request
+            if first is not None and first != c.prompt_id and not same_request:
                 return Verdict("duplicate_completion", f"same output ids as prompt {first} (kept)")
         self._requests.add(rkey)
         self._outputs.setdefault(okey, c.prompt_id)
+        if request is not None:
+            self._step_requests.setdefault(okey, request)
         return Verdict(None)
+
+
+def _step_request(c: Completion) -> int | None:
+    """An every-turn step's request, hashed: the history it was sent with (and its bridge); None in `last` mode."""
+    if c.step is None:
+        return None
+    history = [m.to_dict() for m in c.messages]
+    body = json.dumps([history, c.bridge_ids, c.tools], sort_keys=True, ensure_ascii=False)
+    return _hash64(body.encode("utf-8", "surrogatepass"))
 
 
 class TokenDistribution(BaseModel):
