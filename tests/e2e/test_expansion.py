@@ -17,7 +17,7 @@ from datagen.model_fixture import ensure_model_dir
 from datagen.runspec import PromptSource, QualityGate, RunSpec, SamplingSpec
 from datagen.storage import ObjectStore
 from flows.expand_dataset import expand_dataset
-from tasks.publishing import publish
+from tasks.publishing import PublishError, publish, refuse_other_run
 
 pytestmark = pytest.mark.slow
 
@@ -242,3 +242,21 @@ def test_retry_rejected_names_only_reasons_a_published_reject_can_carry() -> Non
     with pytest.raises(ValueError, match="'invalid_json' not a reason a published reject can carry"):
         RunSpec(retry_rejected=["invalid_json"])
     assert "Default: none" in (RunSpec.model_fields["retry_rejected"].description or "")
+
+
+def test_a_namespace_is_refused_only_to_another_run_spec(s3_store: ObjectStore, tmp_path: Path) -> None:
+    # Issue 35.6, and a dataset published before a run spec field existed still resumes (only shared keys compared).
+    staging = tmp_path / "dataset"
+    (staging / "data").mkdir(parents=True)
+    pq.write_table(pa.table({"prompt_id": ["a1"], "source": ["chat"]}), staging / "data" / "train.parquet")
+    ours = RunSpec(sources=[PromptSource(path="chat.jsonl")], namespace="older").model_dump(mode="json")
+    older = {k: v for k, v in ours.items() if k != "retry_rejected"}  # a field added after it was published
+    older["sources"] = [{k: v for k, v in ours["sources"][0].items() if k != "tools"}]
+    publish(staging, "older", s3_store, {"run_spec": older, "run_name": "expand older · calm-otter"})
+    refuse_other_run(s3_store, "older", ours)  # the same run: no error
+    other = {**ours, "sources": [{**ours["sources"][0], "path": "code.jsonl"}]}
+    with pytest.raises(
+        PublishError, match=r"published by another run \(run expand older · calm-otter.*\(sources differ\)"
+    ):
+        refuse_other_run(s3_store, "older", other)
+    refuse_other_run(s3_store, "never-published", other)
