@@ -4,7 +4,8 @@ Everything runs as the users run it: `infra/prefect-server.sh run` (basic auth w
 protection, CORS limited to the UI's origin, loopback; PREFECT_HOME in a temp dir, PREFECT_SERVER_API_PORT on a
 free port, set before start so the UI points at the right API), `infra/deploy.sh` (work pool with datagen's base
 job template + `prefect deploy --all --no-prompt` from the repo root) and `infra/prefect-worker.sh`
-(`prefect worker start`, stopped with SIGINT). Every client gets the auth string as PREFECT_API_AUTH_STRING.
+(`python -m datagen.worker`, datagen's process worker, stopped with SIGINT; it runs what deploy.sh pinned in
+the server's `pin_file`). Every client gets the auth string as PREFECT_API_AUTH_STRING.
 """
 
 from __future__ import annotations
@@ -154,12 +155,22 @@ class PrefectServer:
         """The PREFECT_API_URL clients and workers use."""
         return f"{self.url}/api"
 
+    @property
+    def pin_file(self) -> Path:
+        """The box's pin (`datagen pin`), written by infra/deploy.sh, read by the worker: one per server."""
+        return self.home.parent / "box-pin" / "pin.json"
+
     def client_env(self, home: Path, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """Environment for a CLI or worker process talking to this server."""
         home.mkdir(parents=True, exist_ok=True)
         env = _base_env()
         env.update(
-            {"PREFECT_API_URL": self.api_url, "PREFECT_HOME": str(home), "PREFECT_API_AUTH_STRING": self.auth_string}
+            {
+                "PREFECT_API_URL": self.api_url,
+                "PREFECT_HOME": str(home),
+                "PREFECT_API_AUTH_STRING": self.auth_string,
+                "DATAGEN_PIN_FILE": str(self.pin_file),
+            }
         )
         env.update(extra or {})
         return env
