@@ -90,6 +90,11 @@ class DatagenWorker(ProcessWorker):
 
     type = "process"  # serves the project's process pools; only how a run starts differs
 
+    @classmethod
+    def __dispatch_key__(cls) -> str:
+        # Prefect registers worker classes by this key; "process" would replace ProcessWorker in its registry.
+        return "datagen-process"
+
     async def _pinned(self, flow_run: FlowRun) -> tuple[PinFile, DeploymentPin]:
         """The run's pinned deployment, after checking the API's deployment and pool against the pin."""
         pin = read_pin(default_pin_path())
