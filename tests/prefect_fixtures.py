@@ -538,11 +538,15 @@ class PrefectProxy:
 
 
 @contextmanager
-def prefect_proxy(server: PrefectServer, state_dir: Path) -> Iterator[PrefectProxy]:
-    """Run `infra/prefect-proxy.sh run` (nginx on a free loopback port) in front of `server`; stop it on exit."""
+def prefect_proxy(server: PrefectServer, state_dir: Path, port: int | None = None) -> Iterator[PrefectProxy]:
+    """Run `infra/prefect-proxy.sh run` (nginx on `port`, else a free loopback port) in front of `server`.
+
+    A server whose UI is opened through the proxy is started with DATAGEN_PROXY_URL naming this port.
+    """
     state_dir.mkdir(parents=True, exist_ok=True)
+    wanted = port
     for attempt in range(3):
-        port = free_port()
+        port = wanted or free_port()
         env = {
             **_base_env(),
             "DATAGEN_PROXY_DIR": str(state_dir / "proxy"),
@@ -567,7 +571,7 @@ def prefect_proxy(server: PrefectServer, state_dir: Path) -> Iterator[PrefectPro
             time.sleep(0.2)
         if proc.poll() is None:
             break
-        if attempt == 2 or "in use" not in _tail(log_path, 20):
+        if attempt == 2 or wanted or "in use" not in _tail(log_path, 20):
             raise RuntimeError(f"prefect-proxy.sh exited with {proc.returncode}:\n{_tail(log_path, 20)}")
     try:
         yield PrefectProxy(port=port, state=state_dir / "proxy", process=proc)

@@ -9,6 +9,8 @@ with a runner's credential, as a teammate in the UI would (docs/security.md).
 from __future__ import annotations
 
 import copy
+import os
+import stat
 import subprocess
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -175,6 +177,14 @@ def test_an_operator_patched_pull_step_does_not_run_until_the_box_re_pins(deploy
         assert "refused by this box's pin" in message and "pull_steps changed" in message, message
         assert "check-environment/environment-check" in message, message
         assert not marker.exists(), "the patched pull step ran on the worker"
+        check = subprocess.run(
+            [str(REPO_ROOT / ".venv" / "bin" / "datagen"), "pin", "--check"],
+            env=d.operator_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert check.returncode == 1 and "environment-check: pull_steps changed" in check.stdout, check.stdout
         # The operator decides the change is theirs and pins it on the box: the pinned steps run, then the flow.
         assert "pinned work pool" in _pin(d)
         run = _run_env_check(d)
@@ -210,3 +220,19 @@ def test_an_operator_patched_job_template_does_not_run_and_the_command_stays_the
     finally:
         d.operator.client.patch(f"/work_pools/{POOL}", json={"base_job_template": original}).raise_for_status()
         _pin(d)
+
+
+def test_the_proxy_keeps_credentials_private_and_will_not_listen_beyond_loopback_without_tls(tmp_path: Path) -> None:
+    state = tmp_path / "proxy"
+    env = {"PATH": os.environ["PATH"], "DATAGEN_PROXY_DIR": str(state), "PREFECT_SERVER_API_AUTH_STRING": "datagen:x"}
+    script = str(REPO_ROOT / "infra" / "prefect-proxy.sh")
+    added = subprocess.run(["bash", script, "add-user", "rui", "runner"], env=env, capture_output=True, text=True)
+    assert added.returncode == 0, added.stderr
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (state, state / "credentials", state / "users.map")}
+    assert modes == {"proxy": 0o700, "credentials": 0o700, "users.map": 0o600}
+    assert stat.S_IMODE((state / "credentials" / "rui").stat().st_mode) == 0o600
+    for bad in (["add-user", "rui", "runner"], ["add-user", "x", "admin"], ["add-user", "../x", "runner"]):
+        assert subprocess.run(["bash", script, *bad], env=env, capture_output=True).returncode == 2, bad
+    open_env = {**env, "DATAGEN_PROXY_LISTEN": "0.0.0.0:1"}
+    refused = subprocess.run(["bash", script, "run"], env=open_env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "needs TLS" in refused.stderr, refused.stderr
