@@ -7,6 +7,7 @@ import pytest
 # Shared fixtures live in their own modules; this file only makes them visible to every test.
 from tests.conversation_fixtures import *  # noqa: F403
 from tests.flow_fixtures import *  # noqa: F403
+from tests.prefect_fixtures import session_prefect_server  # noqa: F401
 from tests.s3_fixtures import *  # noqa: F403
 
 # Tests read prompts from pytest's temporary directories and models from the fixture cache or a temporary copy:
