@@ -7,6 +7,7 @@ import pytest
 # Shared fixtures live in their own modules; this file only makes them visible to every test.
 from tests.conversation_fixtures import *  # noqa: F403
 from tests.flow_fixtures import *  # noqa: F403
+from tests.prefect_fixtures import session_prefect_server  # noqa: F401
 from tests.s3_fixtures import *  # noqa: F403
 
 # Tests read prompts from pytest's temporary directories and models from the fixture cache or a temporary copy:
@@ -20,20 +21,29 @@ os.environ.setdefault(
 
 
 # infra/test.sh runs the suite in parallel processes, one file at a time per process (pytest-xdist, --dist loadfile,
-# --no-loadscope-reorder): files are handed out in collection order. These files take longest (measured, slowest
-# first, docs/testing.md); starting them first leaves only short files for the end, so no process runs a long file
-# alone while the others are idle. A file not named here keeps its place after them. Serial runs are unaffected
-# in what they test; only the order changes.
+# --no-loadscope-reorder): files are handed out in collection order. These files take longest (measured in the
+# 3-process run, slowest first, docs/testing.md); starting them first leaves only short files for the end, so no
+# process runs a long file alone while the others are idle. A file not named here keeps its place after them.
+# Serial runs are unaffected in what they test; only the order changes.
 LONG_FILES_FIRST = (
+    "tests/e2e/test_prefect_deploy.py",
+    "tests/e2e/test_publish_resume.py",
     "tests/e2e/test_multi_box_every.py",
     "tests/e2e/test_multi_box.py",
-    "tests/e2e/test_publish_resume.py",
-    "tests/e2e/test_prefect_deploy.py",
     "tests/e2e/test_ui_browser.py",
     "tests/e2e/test_crash_resume.py",
+    "tests/e2e/test_generation.py",
     "tests/e2e/test_security_prefect.py",
-    "tests/e2e/test_serving.py",
+    "tests/e2e/test_cli_errors.py",
+    "tests/e2e/test_flow_turns_e2e.py",
+    "tests/e2e/test_provisioning.py",
     "tests/e2e/test_pilot.py",
+    "tests/e2e/test_flow_bad_input.py",
+    "tests/e2e/test_generation_every.py",
+    "tests/e2e/test_expansion.py",
+    "tests/e2e/test_flow_e2e.py",
+    "tests/e2e/test_serving.py",
+    "tests/e2e/test_conversation_export.py",
 )
 
 

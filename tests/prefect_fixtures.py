@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from datagen.localstack import LocalS3
 
@@ -47,6 +48,7 @@ __all__ = [
     "prefect_server",
     "prefect_worker",
     "run_deploy",
+    "session_prefect_server",
     "stop_process",
     "worker_env",
     "write_prompts",
@@ -275,6 +277,16 @@ def prefect_server(
         yield server
     finally:
         stop_process(proc, signal.SIGTERM)
+
+
+@pytest.fixture(scope="session")
+def session_prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
+    """One real Prefect server per test process, for flows that need an API but test no Prefect set-up of their own.
+
+    Each test keeps its own PREFECT_HOME, work dir, S3 prefix and namespace; it only shares the server's database.
+    """
+    with prefect_server(tmp_path_factory.mktemp("session-prefect")) as server:
+        yield server
 
 
 def run_deploy(server: PrefectServer, home: Path, extra_env: Mapping[str, str] | None = None) -> str:

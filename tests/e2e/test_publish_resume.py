@@ -1,11 +1,12 @@
 """SIGKILL the pipeline at each step of its publish, run it again: the same objects as an uninterrupted run.
 
-The flow runs as a real process (its own ephemeral Prefect server, its own stand-in servers, the session's
-SeaweedFS). `DATAGEN_FAULT_KILL_AT` (datagen/faults.py, inert unless set) makes it SIGKILL itself right after
-the named step. After the kill the test ends what it left running, runs the same flow again, and compares
-every published object with those of an uninterrupted run of the same prompts (under another S3 prefix, so
-that nothing but the first attempt's run id and time, and the prefix in the manifest's URI, may differ).
-Finally an expansion (`namespace: auto`, `skip_published: true`) over the same prompts must plan none of them.
+The flow runs as a real process with its own stand-in servers; it reports to a real Prefect server and writes to
+SeaweedFS, one of each per test process, each test under its own PREFECT_HOME, work dir and S3 prefix.
+`DATAGEN_FAULT_KILL_AT` (datagen/faults.py, inert unless set) makes it SIGKILL itself right after the named step.
+After the kill the test ends what it left running, runs the same flow again, and compares every published object
+with those of an uninterrupted run of the same prompts (under another S3 prefix, so that nothing but the first
+attempt's run id and time, and the prefix in the manifest's URI, may differ). Finally an expansion
+(`namespace: auto`, `skip_published: true`) over the same prompts must plan none of them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from datagen.runspec import PromptSource, QualityGate, RunSpec, SamplingSpec
 from datagen.storage import ObjectStore
 from tasks.publishing import CLAIM_NAME, MANIFEST_NAME
 from tests.e2e.test_crash_resume import _cleanup, _env, _kill_all, _run_flow, _tail
+from tests.prefect_fixtures import CLIENT_RETRY_ENV, PrefectServer
 
 pytestmark = pytest.mark.slow
 
@@ -102,19 +104,24 @@ def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _make_run(local_s3: LocalS3, tmp: Path, prompts: Path) -> Run:
+def _make_run(local_s3: LocalS3, server: PrefectServer, tmp: Path, prompts: Path) -> Run:
     tmp.mkdir(parents=True, exist_ok=True)
-    env = {**_env(local_s3, tmp), **FAST_STANDIN}
+    # The flows report to a running server, not to one each starts for itself: 17 server starts fewer in this file.
+    api = {"PREFECT_API_URL": server.api_url, "PREFECT_API_AUTH_STRING": server.auth_string, **CLIENT_RETRY_ENV}
+    env = {**_env(local_s3, tmp), **FAST_STANDIN, **api}
     store = ObjectStore.from_settings(local_s3.settings(s3_prefix=env["DATAGEN_S3_PREFIX"]))
     return Run(env=env, tmp=tmp, store=store)
 
 
 @pytest.fixture(scope="module")
 def reference(
-    local_s3: LocalS3, tmp_path_factory: pytest.TempPathFactory, prompts: Path
+    local_s3: LocalS3,
+    session_prefect_server: PrefectServer,
+    tmp_path_factory: pytest.TempPathFactory,
+    prompts: Path,
 ) -> Iterator[tuple[Run, dict[str, bytes]]]:
     """An uninterrupted run of the same prompts: its objects are what every interrupted run must end with."""
-    run = _make_run(local_s3, tmp_path_factory.mktemp("reference"), prompts)
+    run = _make_run(local_s3, session_prefect_server, tmp_path_factory.mktemp("reference"), prompts)
     with _cleanup(run.work_dir):
         rc, out = run.flow(_spec(prompts), "reference")
     assert rc == 0, f"the uninterrupted run failed:\n{out.get('log')}"
@@ -155,10 +162,15 @@ def _diff(got: dict[str, bytes], want: dict[str, bytes]) -> str:
     ["publish.after-claim", "publish.after-first-file", "publish.after-manifest", "catalog.before-part"],
 )
 def test_killed_publish_resumes_to_the_same_objects(
-    kill_at: str, reference: tuple[Run, dict[str, bytes]], local_s3: LocalS3, tmp_path: Path, prompts: Path
+    kill_at: str,
+    reference: tuple[Run, dict[str, bytes]],
+    local_s3: LocalS3,
+    session_prefect_server: PrefectServer,
+    tmp_path: Path,
+    prompts: Path,
 ) -> None:
     ref, ref_objects = reference
-    run = _make_run(local_s3, tmp_path, prompts)
+    run = _make_run(local_s3, session_prefect_server, tmp_path, prompts)
     with _cleanup(run.work_dir):
         rc, out = run.flow(_spec(prompts), "first", kill_at=kill_at)
         assert rc == -signal.SIGKILL, f"the first run was not killed at {kill_at} (exit {rc}):\n{out.get('log')}"
@@ -207,10 +219,10 @@ def test_killed_publish_resumes_to_the_same_objects(
 
 
 def test_expansion_after_a_kill_before_the_catalog_part_skips_those_prompts(
-    local_s3: LocalS3, tmp_path: Path, prompts: Path
+    local_s3: LocalS3, session_prefect_server: PrefectServer, tmp_path: Path, prompts: Path
 ) -> None:
     """A namespace published without its part (any name, no re-run of it) is repaired before the next plan."""
-    run = _make_run(local_s3, tmp_path, prompts)
+    run = _make_run(local_s3, session_prefect_server, tmp_path, prompts)
     with _cleanup(run.work_dir):
         rc, out = run.flow(_spec(prompts, namespace="summer-set"), "first", kill_at="catalog.before-part")
         assert rc == -signal.SIGKILL, out.get("log")
@@ -224,10 +236,14 @@ def test_expansion_after_a_kill_before_the_catalog_part_skips_those_prompts(
 
 
 def test_unfinishable_namespace_names_the_command_and_abandon_keeps_every_object(
-    local_s3: LocalS3, tmp_path: Path, prompts: Path, monkeypatch: pytest.MonkeyPatch
+    local_s3: LocalS3,
+    session_prefect_server: PrefectServer,
+    tmp_path: Path,
+    prompts: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Work dir gone after a kill: the re-run names `datagen abandon`; abandoning adds one marker, deletes nothing."""
-    run = _make_run(local_s3, tmp_path, prompts)
+    run = _make_run(local_s3, session_prefect_server, tmp_path, prompts)
     with _cleanup(run.work_dir):
         rc, out = run.flow(_spec(prompts, skip_published=False), "first", kill_at="publish.after-first-file")
         assert rc == -signal.SIGKILL, out.get("log")
