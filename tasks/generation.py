@@ -17,7 +17,7 @@ import concurrent.futures
 import contextlib
 import logging
 import queue
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -167,16 +167,18 @@ def generate_shard(
     chat: ChatTokenizer,
     spec: RunSpec,
     flush_interval_s: float = 2.0,
+    step_tokens: Callable[[Prompt], float] | None = None,
 ) -> ShardResult:
     """Generate every request of one shard not yet in its checkpoint; return counts and the checksum.
 
     `dispatcher` may be None when the caller knows (`unsettled_requests`) that the checkpoint settles them all.
-    In `turns: every` mode each prompt is a conversation generated step by step (tasks/generation_turns.py).
+    In `turns: every` mode each prompt is a conversation generated step by step (tasks/generation_turns.py);
+    `step_tokens` (e.g. the pilot's length model) ranks its conversations by the work they have left.
     """
     if spec.turns == "every":
         from tasks.generation_turns import generate_conversations  # it builds on this module
 
-        return generate_conversations(shard_id, layout, dispatcher, chat, spec, flush_interval_s)
+        return generate_conversations(shard_id, layout, dispatcher, chat, spec, flush_interval_s, step_tokens)
     with contextlib.ExitStack() as place:
         if dispatcher is not None:
             # The shard's place in the plan order, held while its checkpoint is read: a higher shard's worker that

@@ -1,0 +1,130 @@
+"""Every-turn shard workers rank conversations by the work they have left, and no shard waits past its share.
+
+Real stand-in server over HTTP, one dispatcher; which conversation's step goes first is read from the order
+the shard workers submit (`Dispatcher.submit`, recorded), which is the order the dispatcher's queue takes them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tasks.generation as generation
+from datagen.chat import ChatTokenizer
+from datagen.engine.dispatcher import Dispatcher, GenerateJob
+from datagen.identity import prompt_id_from_messages
+from datagen.layout import RunLayout
+from datagen.model_fixture import ensure_model_dir
+from datagen.records import Prompt
+from datagen.runspec import RunSpec, SamplingSpec
+from datagen.standin.testing import run_standin
+from tasks.generation_turns import expected_steps, send_order
+
+KNOBS = {
+    "DATAGEN_STANDIN_LOAD_S": "0.1",
+    "DATAGEN_STANDIN_WARMUP_S": "0.1",
+    "DATAGEN_STANDIN_LENGTH_MEAN": "40",
+    "DATAGEN_STANDIN_LENGTH_MAX": "80",
+}
+
+
+def _prompt(tag: str, i: int, turns: int) -> Prompt:
+    messages: list[dict[str, Any]] = []
+    for t in range(turns):
+        if t:
+            messages.append({"role": "assistant", "content": f"Answer {t} to {tag} {i}."})
+        messages.append({"role": "user", "content": f"{tag} {i}, turn {t}: what is {i + t} squared, and why?"})
+    return Prompt(prompt_id_from_messages("t", messages), "t", i, messages)
+
+
+def _write_shard(layout: RunLayout, shard: int, prompts: list[Prompt]) -> None:
+    path = layout.shard_prompts(shard)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(p.to_json() + "\n" for p in prompts))
+
+
+def _spec(model_dir: Path) -> RunSpec:
+    return RunSpec(
+        model_path=str(model_dir), sampling=SamplingSpec(max_new_tokens=120), context_length=8192, turns="every"
+    )
+
+
+def _recording(dispatcher: Dispatcher, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Labels (`<prompt id>:step-N`) in the order the shard workers submitted them."""
+    submitted: list[str] = []
+    lock = threading.Lock()
+    submit = dispatcher.submit
+
+    def recording_submit(job: GenerateJob, *, timeout: float | None = None) -> Any:
+        future = submit(job, timeout=timeout)
+        with lock:
+            submitted.append(job.label)
+        return future
+
+    monkeypatch.setattr(dispatcher, "submit", recording_submit)
+    return submitted
+
+
+def test_the_conversation_with_most_work_left_opens_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model_dir = ensure_model_dir()
+    chat = ChatTokenizer.from_model_dir(model_dir)
+    layout = RunLayout(tmp_path / "run")
+    # Four one-turn conversations in plan order, then one of three user turns (three steps).
+    prompts = [*(_prompt("short", i, 1) for i in range(4)), _prompt("long", 4, 3)]
+    assert [expected_steps(p) for p in prompts] == [1, 1, 1, 1, 3]
+    _write_shard(layout, 0, prompts)
+    with (
+        run_standin(model_dir, args=("--max-running-requests", "1"), env=KNOBS) as endpoint,
+        Dispatcher([endpoint], queue_depth=0, stall_timeout_s=120) as dispatcher,
+    ):
+        assert dispatcher.wait_ready(60)
+        submitted = _recording(dispatcher, monkeypatch)
+        result = generation.generate_shard(0, layout, dispatcher, chat, _spec(model_dir), 2.0)
+    assert result.n_prompts == 5
+    long_id = prompts[4].prompt_id
+    assert submitted[0] == f"{long_id}:step-0", submitted  # before: the first one-turn conversation (plan order)
+    assert sorted(submitted) == sorted(
+        [f"{p.prompt_id}:step-0" for p in prompts[:4]] + [f"{long_id}:step-{s}" for s in range(result.n_completed - 4)]
+    )
+
+
+def test_no_shard_waits_past_its_share(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model_dir = ensure_model_dir()
+    chat = ChatTokenizer.from_model_dir(model_dir)
+    layout = RunLayout(tmp_path / "run")
+    heavy = [_prompt("heavy", i, 3) for i in range(8)]  # shard 0: lower in plan order, more work
+    light = [_prompt("light", i, 1) for i in range(2)]
+    _write_shard(layout, 0, heavy)
+    _write_shard(layout, 1, light)
+    spec = _spec(model_dir)
+    with (
+        run_standin(model_dir, args=("--max-running-requests", "2"), env=KNOBS) as endpoint,
+        Dispatcher([endpoint], queue_depth=0, stall_timeout_s=120) as dispatcher,
+    ):
+        assert dispatcher.wait_ready(60)
+        assert dispatcher.queue_limit == 2  # two shards sending: a share of one request each
+        submitted = _recording(dispatcher, monkeypatch)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(generation.generate_shard, 0, layout, dispatcher, chat, spec, 2.0)
+            second = pool.submit(generation.generate_shard, 1, layout, dispatcher, chat, spec, 2.0)
+            results = [first.result(timeout=180), second.result(timeout=180)]
+    assert [r.n_prompts for r in results] == [8, 2]
+    light_ids = {p.prompt_id for p in light}
+    first_light = next(i for i, label in enumerate(submitted) if label.split(":")[0] in light_ids)
+    # Shard 1 holds nothing, so its first step goes ahead of shard 0's beyond its share: at the latest once
+    # the places both workers took first are free. Before, shard 0's 24 steps went first while it kept asking.
+    assert first_light <= 3, submitted
+
+
+def test_send_order_puts_a_shard_within_its_share_first() -> None:
+    within = send_order(shard=5, row=9, work=1, held=0, share=2)
+    beyond = send_order(shard=0, row=0, work=1000, held=2, share=2)
+    assert within < beyond
+    # Beyond their shares, most work first across shards; within, plan order (then most work).
+    assert send_order(3, 0, 900, 4, 2) < send_order(0, 0, 100, 4, 2)
+    assert send_order(0, 7, 1, 0, 2) < send_order(1, 0, 900, 0, 2)
+    assert send_order(0, 7, 50, 0, 2) < send_order(0, 2, 10, 0, 2)
