@@ -30,8 +30,8 @@ KNOBS = {
     "DATAGEN_STANDIN_LENGTH_MEAN": "100",
     "DATAGEN_STANDIN_LENGTH_MAX": "200",
 }
-# ~0.5 s a request: a place in the queue frees rarely, so who is waiting for it when it does decides.
-SLOW = {**KNOBS, "DATAGEN_STANDIN_STEP_BASE_MS": "5"}
+# ~1 s a request: a place in the queue frees rarely, so who is waiting for it when it does decides.
+SLOW = {**KNOBS, "DATAGEN_STANDIN_STEP_BASE_MS": "10"}
 
 
 def _prompt(tag: str, i: int, turns: int) -> Prompt:
@@ -126,10 +126,10 @@ def test_no_shard_waits_past_its_share(tmp_path: Path, monkeypatch: pytest.Monke
     assert results[0].n_completed > 8  # shard 0's conversations went on past their first steps
     light_ids = {p.prompt_id for p in light}
     first_light = next(i for i, label in enumerate(submitted) if label.split(":")[0] in light_ids)
-    # Shard 1 holds nothing, so its first step goes ahead of shard 0's beyond its share, at the first free place.
-    # Before, shard 0, lower in plan order and always waiting for the next place, kept the queue while it had
-    # steps to send.
-    assert first_light == started_at, (started_at, first_light, submitted)
+    # Shard 1 holds nothing, so its first step goes ahead of shard 0's beyond its share, at the first free place
+    # once it asks (one of shard 0's may go while shard 1's worker starts on a busy machine). Before, shard 0,
+    # lower in plan order and always waiting for the next place, kept the queue while it had steps to send.
+    assert first_light - started_at <= 1, (started_at, first_light, submitted)
 
 
 def test_send_order_puts_a_shard_within_its_share_first() -> None:
