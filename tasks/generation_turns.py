@@ -26,6 +26,7 @@ import collections
 import concurrent.futures
 import heapq
 import itertools
+import json
 import logging
 import queue
 from collections.abc import Callable
@@ -68,6 +69,7 @@ __all__ = [
     "conversation_keys",
     "expected_steps",
     "generate_conversations",
+    "pilot_step_tokens",
     "read_ledger",
     "send_order",
     "step_check",
@@ -182,6 +184,26 @@ def expected_steps(prompt: Prompt) -> int:
     return sum(max(1, len(turn.steps)) for turn in script.turns)
 
 
+def pilot_step_tokens(layout: RunLayout, spec: RunSpec) -> StepTokens | None:
+    """Expected tokens per step from the run's pilot, when its projection is on this box (None: steps count).
+
+    In every-turn mode the pilot's length model predicts a conversation's whole output (tasks/pilot_turns.py),
+    so a step's share is that over the conversation's expected steps.
+    """
+    if spec.pilot is None:
+        return None
+    from tasks.ordering import LengthModel  # the pilot's modules build on this one
+    from tasks.pilot import PILOT_JSON
+
+    path = layout.root.parent / spec.pilot / PILOT_JSON  # the pilot is a run beside this one (RunLayout.for_run)
+    try:
+        model = LengthModel.model_validate(json.loads(path.read_text(encoding="utf-8"))["length_model"])
+    except (OSError, ValueError, KeyError) as exc:  # e.g. a box of a multi-box run, which has no pilot file
+        logger.info("ranking conversations by steps left: no pilot length model at %s (%s)", path, exc)
+        return None
+    return lambda p: model.predict(p) / expected_steps(p)
+
+
 def send_order(shard: int, row: int, work: float, held: int, share: int) -> tuple[int, ...]:
     """A step's place in the dispatcher's queue: within its shard's share, plan order; beyond it, most work first."""
     if held < share:
@@ -216,7 +238,7 @@ class _ShardConversations:
         step_tokens: StepTokens | None = None,
     ) -> None:
         self.shard_id = shard_id
-        self.step_tokens = step_tokens
+        self.step_tokens = step_tokens if step_tokens is not None else pilot_step_tokens(layout, spec)
         self.completions_path, self.rejects_path = layout.shard_completions(shard_id), layout.shard_rejects(shard_id)
         self.prompts_path = layout.shard_prompts(shard_id)
         self.dispatcher = dispatcher
@@ -467,5 +489,6 @@ def generate_conversations(
     """Generate every conversation of one shard its checkpoint has not settled, each step once; counts in
     `ShardResult` are conversations (`n_prompts`), step lines (`n_completed`) and reject lines (`n_rejected`).
 
-    `step_tokens`: each conversation's expected tokens per step, for ranking by work left (None: steps count)."""
+    `step_tokens`: each conversation's expected tokens per step, for ranking by work left (None: the run's pilot's
+    length model when its projection is on this box, else each step counts 1)."""
     return _ShardConversations(shard_id, layout, dispatcher, chat, spec, flush_interval_s, step_tokens).run()

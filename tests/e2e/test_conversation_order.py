@@ -7,6 +7,7 @@ the shard workers submit (`Dispatcher.submit`, recorded), which is the order the
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ from datagen.records import Prompt
 from datagen.runspec import RunSpec, SamplingSpec
 from datagen.standin.testing import run_standin
 from tasks.generation_turns import expected_steps, send_order
+from tasks.ordering import GroupStat, LengthModel
+from tasks.pilot import PILOT_JSON
 
 KNOBS = {
     "DATAGEN_STANDIN_LOAD_S": "0.1",
@@ -34,13 +37,13 @@ KNOBS = {
 SLOW = {**KNOBS, "DATAGEN_STANDIN_STEP_BASE_MS": "10"}
 
 
-def _prompt(tag: str, i: int, turns: int) -> Prompt:
+def _prompt(tag: str, i: int, turns: int, category: str | None = None) -> Prompt:
     messages: list[dict[str, Any]] = []
     for t in range(turns):
         if t:
             messages.append({"role": "assistant", "content": f"Answer {t} to {tag} {i}."})
         messages.append({"role": "user", "content": f"{tag} {i}, turn {t}: what is {i + t} squared, and why?"})
-    return Prompt(prompt_id_from_messages("t", messages), "t", i, messages)
+    return Prompt(prompt_id_from_messages("t", messages), "t", i, messages, category=category)
 
 
 def _write_shard(layout: RunLayout, shard: int, prompts: list[Prompt]) -> None:
@@ -49,9 +52,13 @@ def _write_shard(layout: RunLayout, shard: int, prompts: list[Prompt]) -> None:
     path.write_text("".join(p.to_json() + "\n" for p in prompts))
 
 
-def _spec(model_dir: Path) -> RunSpec:
+def _spec(model_dir: Path, pilot: str | None = None) -> RunSpec:
     return RunSpec(
-        model_path=str(model_dir), sampling=SamplingSpec(max_new_tokens=320), context_length=8192, turns="every"
+        model_path=str(model_dir),
+        sampling=SamplingSpec(max_new_tokens=320),
+        context_length=8192,
+        turns="every",
+        pilot=pilot,
     )
 
 
@@ -140,3 +147,35 @@ def test_send_order_puts_a_shard_within_its_share_first() -> None:
     assert send_order(3, 0, 900, 4, 2) < send_order(0, 0, 100, 4, 2)
     assert send_order(0, 7, 1, 0, 2) < send_order(1, 0, 900, 0, 2)
     assert send_order(0, 7, 50, 0, 2) < send_order(0, 2, 10, 0, 2)
+
+
+def test_the_pilots_lengths_rank_conversations_when_its_projection_is_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model_dir = ensure_model_dir()
+    chat = ChatTokenizer.from_model_dir(model_dir)
+    # Row 0: two turns of a category the pilot measured short; row 1: one turn of a category it measured long.
+    prompts = [_prompt("chat", 0, 2, category="short"), _prompt("essay", 1, 1, category="long")]
+    length_model = LengthModel(
+        global_mean=500,
+        by_source={"t": GroupStat(n=2000, mean=500)},
+        by_category={"t": {"short": GroupStat(n=1000, mean=100), "long": GroupStat(n=1000, mean=3000)}},
+    )
+    pilot_dir = RunLayout.for_run(tmp_path, "pilot-a").root
+    pilot_dir.mkdir(parents=True)
+    (pilot_dir / PILOT_JSON).write_text(json.dumps({"length_model": length_model.model_dump()}))
+    first: dict[str | None, str] = {}
+    with (
+        run_standin(model_dir, args=("--max-running-requests", "1"), env=KNOBS) as endpoint,
+        Dispatcher([endpoint], queue_depth=0, stall_timeout_s=120) as dispatcher,
+    ):
+        assert dispatcher.wait_ready(60)
+        submitted, _ = _recording(dispatcher, monkeypatch)
+        for pilot in ("pilot-a", None):  # with the pilot's projection, and without (each step counts 1)
+            layout = RunLayout.for_run(tmp_path, f"run-{pilot}")
+            _write_shard(layout, 0, prompts)
+            submitted.clear()
+            generation.generate_shard(0, layout, dispatcher, chat, _spec(model_dir, pilot), 2.0)
+            first[pilot] = submitted[0].split(":")[0]
+    assert first["pilot-a"] == prompts[1].prompt_id  # ~3,000 tokens expected against ~100
+    assert first[None] == prompts[0].prompt_id  # two steps against one
