@@ -69,6 +69,7 @@ def serve(log: Path, port_file: Path, token_file: Path) -> None:
 
     A new bearer token is written to `token_file` (0600) first; a post without it is refused (401), unread.
     """
+    os.chmod(log.parent, 0o700)  # alerts name runs, tasks and reasons: the laptop's user's alone
     lock = threading.Lock()
     token = secrets.token_urlsafe(32)
     expected = f"Bearer {token}".encode()
@@ -93,7 +94,8 @@ def serve(log: Path, port_file: Path, token_file: Path) -> None:
             except (ValueError, KeyError) as exc:
                 self.send_error(400, str(exc))
                 return
-            with lock, log.open("a", encoding="utf-8") as out:
+            with lock, os.fdopen(os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a") as out:
+                os.fchmod(out.fileno(), 0o600)  # an alerts.log of an older version keeps its mode otherwise
                 out.write(alert_line(text))
             self.send_response(204)
             self.end_headers()

@@ -2,6 +2,12 @@
 
     <prefix>_catalog/<namespace>.prompt-ids.parquet    prompt_id, source, category, status ("data" | "rejected"),
                                                         reason (a rejected prompt's reject reason)
+    <prefix>_catalog/<namespace>.load-rejects.parquet  request_key, source, reason, location: the input rows the
+                                                        namespace published as load rejects (only when it has any)
+
+The load-rejects part lets a later expansion over the same (grown) source skip the rows it already published as
+rejects instead of publishing and counting them again (tasks.planning); namespaces published before load rejects
+were keyed have none, so their broken rows are published once more by the next expansion, then never again.
 
 A part is written with `put_if_absent` right after its namespace's manifest, so it never changes once written and
 the catalog is the union of its parts. `_catalog/` cannot collide with a namespace (namespaces start with a letter
@@ -29,12 +35,16 @@ __all__ = [
     "CATALOG_DIR",
     "CATALOG_SCHEMA",
     "EXPANSION_PREFIX",
+    "LOAD_REJECTS_SCHEMA",
     "CatalogError",
     "backfill",
+    "build_load_rejects",
     "build_part",
     "catalog_namespaces",
+    "load_rejects_key",
     "next_expansion_namespace",
     "part_key",
+    "published_load_rejects",
     "published_prompt_ids",
     "repair",
     "write_part",
@@ -45,6 +55,8 @@ log = logging.getLogger(__name__)
 CATALOG_DIR = "_catalog/"
 EXPANSION_PREFIX = "expansion_v"
 _PART_SUFFIX = ".prompt-ids.parquet"
+_LOAD_REJECTS_SUFFIX = ".load-rejects.parquet"
+_ROW_KEY_PREFIX = "row:"  # datagen.prompts.LOAD_REJECT_KEY_PREFIX (storage code does not import the loaders)
 _MANIFEST = "manifest.json"  # tasks.publishing.MANIFEST_NAME; repeated here so storage code does not import tasks
 _EXPANSION_RE = re.compile(rf"^{EXPANSION_PREFIX}(\d+)$")
 
@@ -59,6 +71,16 @@ CATALOG_SCHEMA = pa.schema(
 )
 
 
+LOAD_REJECTS_SCHEMA = pa.schema(
+    [
+        pa.field("request_key", pa.string(), nullable=False),
+        pa.field("source", pa.string(), nullable=False),
+        pa.field("reason", pa.string(), nullable=False),
+        pa.field("location", pa.string()),
+    ]
+)
+
+
 class CatalogError(RuntimeError):
     """The catalog in S3 disagrees with what a namespace holds."""
 
@@ -66,6 +88,11 @@ class CatalogError(RuntimeError):
 def part_key(namespace: str) -> str:
     """Key (under the store's prefix) of one namespace's catalog part."""
     return f"{CATALOG_DIR}{namespace}{_PART_SUFFIX}"
+
+
+def load_rejects_key(namespace: str) -> str:
+    """Key (under the store's prefix) of the load rejects one namespace published (see the module docstring)."""
+    return f"{CATALOG_DIR}{namespace}{_LOAD_REJECTS_SUFFIX}"
 
 
 def _status_table(table: pa.Table, status: str, rank: int, file_no: int) -> pa.Table:
@@ -121,6 +148,45 @@ def build_part(parquet_files: Iterable[tuple[str, bytes | Path]]) -> bytes:
     return out.getvalue()
 
 
+def build_load_rejects(parquet_files: Iterable[tuple[str, bytes | Path]]) -> bytes | None:
+    """The load-rejects part from a dataset's parquet files: keyed load rejects, sorted by key; None when none."""
+    tables: list[pa.Table] = []
+    for name, content in parquet_files:
+        if not name.startswith("rejects/"):
+            continue
+        source = io.BytesIO(content) if isinstance(content, bytes) else content
+        names = pq.read_schema(source).names
+        if not {"stage", "request_key", "source", "reason"} <= set(names):
+            continue  # a rejects file from before load rejects were keyed
+        if isinstance(source, io.BytesIO):
+            source.seek(0)
+        columns = ["stage", "request_key", "source", "reason", *(["location"] if "location" in names else [])]
+        table = pq.read_table(source, columns=columns)
+        keyed = pc.and_(
+            pc.equal(table.column("stage"), "load"),
+            pc.starts_with(pc.fill_null(table.column("request_key"), ""), _ROW_KEY_PREFIX),
+        )
+        table = table.filter(pc.fill_null(keyed, False))
+        location = table.column("location") if "location" in table.column_names else pa.nulls(len(table), pa.string())
+        tables.append(
+            pa.table(
+                {
+                    "request_key": table.column("request_key").cast(pa.string()),
+                    "source": table.column("source").cast(pa.string()),
+                    "reason": table.column("reason").cast(pa.string()),
+                    "location": location.cast(pa.string()),
+                }
+            )
+        )
+    rows = pa.concat_tables(tables) if tables else LOAD_REJECTS_SCHEMA.empty_table()
+    if rows.num_rows == 0:
+        return None
+    rows = rows.take(pc.sort_indices(rows, [("request_key", "ascending")])).cast(LOAD_REJECTS_SCHEMA)
+    out = io.BytesIO()
+    pq.write_table(rows, out, compression="zstd")
+    return out.getvalue()
+
+
 def _staged_parquet(staging_dir: Path) -> list[tuple[str, bytes | Path]]:
     return [
         (f"{kind}/{p.name}", p) for kind in ("data", "rejects") for p in sorted((staging_dir / kind).glob("*.parquet"))
@@ -130,10 +196,43 @@ def _staged_parquet(staging_dir: Path) -> list[tuple[str, bytes | Path]]:
 def write_part(store: ObjectStore, namespace: str, staging_dir: Path) -> int:
     """Write the catalog part of a just-published namespace from its staged files; returns the prompt ids in it.
 
-    An existing part is accepted only when it lists exactly the same prompt ids (a resumed run).
+    An existing part is accepted only when it lists exactly the same prompt ids (a resumed run). The load-rejects
+    part goes first: the prompt-ids part marks a namespace catalogued (repair backfills only where it is missing).
     """
-    body = build_part(_staged_parquet(staging_dir))
-    return _put_part(store, namespace, body)
+    files = _staged_parquet(staging_dir)
+    _put_load_rejects(store, namespace, build_load_rejects(files))
+    return _put_part(store, namespace, build_part(files))
+
+
+def _put_load_rejects(store: ObjectStore, namespace: str, body: bytes | None) -> None:
+    if body is None:
+        return  # no keyed load rejects: no object (most namespaces)
+    key = load_rejects_key(namespace)
+    try:
+        store.put_if_absent(key, body)
+    except ObjectExists:
+        ours = _keys(body)
+        theirs = _keys(store.get_bytes(key))
+        if theirs != ours:
+            raise CatalogError(
+                f"{store.uri(key)} already exists and lists {len(theirs)} load rejects, but namespace {namespace!r} "
+                f"published {len(ours)} different ones; the catalog part was not replaced"
+            ) from None
+
+
+def _keys(body: bytes) -> set[str]:
+    return set(pq.read_table(io.BytesIO(body), columns=["request_key"]).column("request_key").to_pylist())
+
+
+def published_load_rejects(store: ObjectStore, exclude: Iterable[str] = ()) -> set[str]:
+    """The keys of every input row a namespace (but the `exclude` ones) published as a load reject."""
+    skip = set(exclude)
+    keys: set[str] = set()
+    for o in store.list(CATALOG_DIR):
+        name = o.key[len(CATALOG_DIR) :]
+        if name.endswith(_LOAD_REJECTS_SUFFIX) and "/" not in name and name[: -len(_LOAD_REJECTS_SUFFIX)] not in skip:
+            keys |= _keys(store.get_bytes(o.key))
+    return keys
 
 
 def _put_part(store: ObjectStore, namespace: str, body: bytes) -> int:
@@ -211,6 +310,7 @@ def backfill(store: ObjectStore, namespace: str) -> bool:
         for o in store.list(f"{namespace}/{kind}")
         if o.key.endswith(".parquet")
     ]
+    _put_load_rejects(store, namespace, build_load_rejects(files))
     n = _put_part(store, namespace, build_part(files))
     log.warning("catalog: backfilled %s with %d prompt ids (the part was missing)", part_key(namespace), n)
     return True

@@ -19,6 +19,7 @@ multi-box exchange, validation, tokenization's reject reader, the run report):
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -35,7 +36,10 @@ __all__ = [
     "CheckpointAppender",
     "CheckpointError",
     "CheckpointLine",
+    "CheckpointTail",
     "append_lines",
+    "json_row",
+    "lines_of",
     "read_lines",
     "read_rows",
     "repair",
@@ -51,6 +55,17 @@ class CheckpointError(RuntimeError):
     """A checkpoint does not belong to this shard, spec or model, or is corrupt."""
 
 
+def json_row(text: str, where: str) -> dict[str, Any]:
+    """A committed line's text as a JSON object; CheckpointError naming `where` (file:line) when it is not one."""
+    try:
+        row = json.loads(text)
+    except ValueError as exc:
+        raise CheckpointError(f"{where}: not a JSON object: {exc}") from exc
+    if not isinstance(row, dict):
+        raise CheckpointError(f"{where}: not a JSON object but a {type(row).__name__}")
+    return row
+
+
 @dataclass(frozen=True, slots=True)
 class CheckpointLine:
     """One committed line: where it is (1-based line number, byte offset and length with its newline) and its text."""
@@ -60,30 +75,65 @@ class CheckpointLine:
     length: int
     text: str  # without the newline
 
-    def row(self, path: Path) -> dict[str, Any]:
+    def row(self, path: Path | str) -> dict[str, Any]:
         """The line as a JSON object; CheckpointError (file:line) when it is not one."""
-        try:
-            row = json.loads(self.text)
-        except ValueError as exc:
-            raise CheckpointError(f"{path}:{self.lineno}: not a JSON object: {exc}") from exc
-        if not isinstance(row, dict):
-            raise CheckpointError(f"{path}:{self.lineno}: not a JSON object but a {type(row).__name__}")
-        return row
+        return json_row(self.text, f"{path}:{self.lineno}")
+
+
+def _committed(raws: Iterable[bytes], where: Path | str, before: int = 0, offset: int = 0) -> Iterator[CheckpointLine]:
+    """The torn-line rule over raw lines split at b"\n" (each with its newline), numbered on after line `before` at byte
+    `offset`: the committed, non-blank ones; a torn tail (bytes without their newline) ends them, with a warning."""
+    for lineno, raw in enumerate(raws, before + 1):
+        if not raw.endswith(b"\n"):
+            logger.warning("%s: skipping a torn last line (%d bytes) left by a crash", where, len(raw))
+            return
+        if raw.strip():
+            try:
+                text = raw[:-1].decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise CheckpointError(f"{where}:{lineno}: not UTF-8: {exc}") from exc
+            yield CheckpointLine(lineno, offset, len(raw), text)
+        offset += len(raw)
 
 
 def read_lines(path: Path) -> Iterator[CheckpointLine]:
     """Every committed, non-blank line of a checkpoint file (none when it does not exist); a torn tail is skipped."""
     if not path.exists():
         return
-    offset = 0
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if not raw.endswith(b"\n"):
-                logger.warning("%s: skipping a torn last line (%d bytes) left by a crash", path, len(raw))
-                return
-            if raw.strip():
-                yield CheckpointLine(lineno, offset, len(raw), raw[:-1].decode("utf-8"))
-            offset += len(raw)
+    with open(path, "rb") as f:  # a binary file's lines end at b"\n" only
+        yield from _committed(f, path)
+
+
+def lines_of(data: bytes, where: str) -> list[CheckpointLine]:
+    """Every committed, non-blank line of checkpoint rows held in memory (an object's bytes), by the same rule."""
+    return list(_committed(io.BytesIO(data), where))
+
+
+class CheckpointTail:
+    """Follows one checkpoint file while it grows: each `read` returns the lines committed since the last one.
+
+    Bytes after the last newline are a write in progress (or a torn tail): they wait for a later `read`. A file
+    that does not exist yet holds no lines.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0  # bytes read up to and including the last newline
+        self._lineno = 0
+
+    def read(self) -> list[CheckpointLine]:
+        """The lines committed since the last call (or the start)."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        end = chunk.rfind(b"\n") + 1
+        lines = list(_committed(io.BytesIO(chunk[:end]), self.path, self._lineno, self.offset))
+        self.offset += end
+        self._lineno += chunk.count(b"\n", 0, end)
+        return lines
 
 
 def read_rows(path: Path) -> Iterator[dict[str, Any]]:

@@ -374,6 +374,13 @@ def _cmd_laptop(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_pin(args: argparse.Namespace) -> int:
+    """Pin the pool's job template and its deployments on this box (or check them against the pin)."""
+    from datagen.deploy_pin import default_pin_path, pin_command
+
+    return pin_command(args.pool, args.file or default_pin_path(), args.check)
+
+
 def _cmd_stack(args: argparse.Namespace) -> int:
     from datagen import localstack
 
@@ -465,6 +472,16 @@ def build_parser() -> argparse.ArgumentParser:
     laptop.add_argument("--servers", type=int, default=2, help="stand-in servers per run")
     laptop.add_argument("--state-dir", type=Path, default=DEFAULT_STACK_DIR, help="local stack state directory")
     laptop.set_defaults(func=_cmd_laptop)
+
+    pin = sub.add_parser(
+        "pin",
+        help="operator, on the box: record what this box's worker may run (each deployment's entrypoint, pull "
+        "steps and parameter schema, the pool's job template); runs that differ later fail (docs/security.md)",
+    )
+    pin.add_argument("--check", action="store_true", help="only compare the API with the pin; exit 1 on a change")
+    pin.add_argument("--pool", default=os.environ.get("DATAGEN_WORK_POOL", "gpu-box-1"), help="the work pool")
+    pin.add_argument("--file", type=Path, help="the pin file (default DATAGEN_PIN_FILE, else .datagen/pin/pin.json)")
+    pin.set_defaults(func=_cmd_pin)
 
     stack = sub.add_parser("stack", help="start, stop or query the local S3 server")
     stack.add_argument("action", choices=["up", "down", "status"])

@@ -20,6 +20,7 @@ Arguments given as JSON text are parsed to an object: the Qwen3.6 template rende
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -89,7 +90,34 @@ def turn_message(role: Role, content: Any, label: str, raw: dict[str, Any], spea
         raise Unsendable("wrong_type", f"{label}: reasoning_content must be a string, got {type(reasoning).__name__}")
     # A turn that only calls functions often has null content (OpenAI writes it so).
     text = "" if calls and content is None else text_of(content, label)
+    if calls is None and "<tool_call>" in text:
+        text, calls = _content_calls(text, label)
     return Message(role="assistant", content=text, reasoning_content=reasoning, tool_calls=calls)
+
+
+_JSON_CALL_RE = re.compile(r"<tool_call>\s*(\{.*?\})?\s*</tool_call>|<tool_call>\s*\{", re.DOTALL)
+
+
+def _content_calls(text: str, label: str) -> tuple[str, tuple[ToolCall, ...] | None]:
+    """Qwen2.5-style calls recorded in an assistant's content (`<tool_call>{"name", "arguments"}</tool_call>`).
+
+    Returns the content without them and the calls; raises Unsendable (bad_tool_call) naming a call that is not a
+    JSON object with a name. Content with no such block (e.g. Qwen3's `<function=...>` form) is left as it is.
+    """
+    calls: list[ToolCall] = []
+    for i, match in enumerate(_JSON_CALL_RE.finditer(text)):
+        where = f"{label} <tool_call> {i}"
+        body = match.group(1)
+        if body is None:
+            raise Unsendable("bad_tool_call", f"{where}: not a JSON call closed by </tool_call>")
+        try:
+            raw = json.loads(body)
+        except json.JSONDecodeError as exc:
+            raise Unsendable("bad_tool_call", f"{where}: the call is not JSON: {exc.msg} (column {exc.colno})") from exc
+        calls.append(_call(raw, where))
+    if not calls:
+        return text, None
+    return _JSON_CALL_RE.sub("", text).strip(), tuple(calls)
 
 
 def close_calls(messages: list[Message], labels: list[str]) -> list[Message]:

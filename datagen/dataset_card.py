@@ -62,6 +62,10 @@ class Lineage(BaseModel):
     memory_plan_note: str | None = Field(
         None, description="How the plan was chosen when not by sizing alone (a pilot's side-by-side trial)."
     )
+    skipped_published: int = Field(0, description="Prompts of the sources skipped as published by other namespaces.")
+    old_rejects_skipped: int = Field(
+        0, description="Rows of the sources other namespaces published as load rejects: skipped, not published again."
+    )
     run_id: str | None = Field(None, description="Prefect flow run id.")
     created_at: str | None = Field(None, description="ISO timestamp of the run.")
 
@@ -158,6 +162,8 @@ tokenized for training a speculative-decoding drafter on the target model's own 
 {layout}
 - rows: {sizes.num_examples}, files: {sizes.num_files}, bytes: {sizes.num_bytes}
 - input tokens: {sizes.num_input_tokens}, loss tokens: {sizes.num_loss_tokens}, rejects: {sizes.num_rejects}
+- skipped as published by earlier namespaces: {lineage.skipped_published} prompts and {lineage.old_rejects_skipped}
+  rows rejected before (their rejects are in the namespace that first read them)
 - model fingerprint `{lineage.model_fingerprint}`, chat template `{lineage.template_hash}`,
   datagen {lineage.pipeline_version}
 - numerics: {" ".join(lineage.numerics_flags) or "BF16 weights, KV cache and conv state, FP32 SSM state (defaults)"};

@@ -362,11 +362,13 @@ class LocalS3:
         if self._proc is not None:
             raise LocalS3Error("the local S3 server is already started")
         weed = find_weed()
-        (self.root / "data").mkdir(parents=True, exist_ok=True)
-        (self.root / "logs").mkdir(exist_ok=True)
+        # The volumes hold the bucket's objects: readable by this user only (0700 dirs; weed runs with umask 077).
+        for folder in (self.root, self.root / "data", self.root / "logs"):
+            folder.mkdir(parents=True, exist_ok=True)
+            os.chmod(folder, 0o700)
         _write_security_toml(self.root / "security.toml")
         self.ports = pick_ports(self._s3_port)
-        with open(self.log_path, "ab") as log:
+        with os.fdopen(os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as log:
             self._proc = subprocess.Popen(
                 _weed_command(weed, self.root, self.ports),
                 cwd=self.root,  # weed reads security.toml from its working directory
@@ -376,6 +378,7 @@ class LocalS3:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # a Ctrl+C in the terminal reaches us, and we stop weed ourselves
                 preexec_fn=_die_with_parent if self._die_with_parent else None,
+                umask=0o077,
             )
         try:
             _wait_ready(
@@ -534,6 +537,7 @@ def start(state_dir: Path, port: int | None = None, bucket: str | None = None) -
     """Start the background server of state_dir (or return the running one); credentials persist across starts."""
     state_dir = Path(state_dir).resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(state_dir, 0o700)  # the bucket's data and s3.env (its credentials) are this user's alone
     env_file = state_dir / "s3.env"
     running = _running_pid(state_dir)
     if running is not None:
@@ -557,8 +561,9 @@ def start(state_dir: Path, port: int | None = None, bucket: str | None = None) -
     assert server.ports is not None
     # From here on the pid file, not this process, owns the server.
     pid = server.detach()
-    (state_dir / "weed.pid").write_text(f"{pid}\n")
-    (state_dir / "weed.ports").write_text(" ".join(map(str, server.ports.all())) + "\n")
+    for name, text in (("weed.pid", f"{pid}\n"), ("weed.ports", " ".join(map(str, server.ports.all())) + "\n")):
+        with os.fdopen(os.open(state_dir / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(text)
     _write_env_file(env_file, server.env())
     return BackgroundS3(state_dir, pid, server.endpoint_url, server.bucket)
 

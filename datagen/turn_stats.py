@@ -13,8 +13,6 @@ conversation, no outcome): the checkpoint files are the one source, for a live r
 
 from __future__ import annotations
 
-import json
-import logging
 import math
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -23,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field
+
+from datagen.checkpoint import CheckpointTail
 
 __all__ = [
     "COMPLETE",
@@ -36,8 +36,6 @@ __all__ = [
     "ends_segment",
     "is_step_row",
 ]
-
-log = logging.getLogger(__name__)
 
 COMPLETE = "complete"  # the outcome of a conversation whose every user turn was answered
 _PERCENTILES = (50, 90, 99)
@@ -243,33 +241,17 @@ class StepTail:
     """
 
     def __init__(self, completion_paths: Sequence[Path], reject_paths: Sequence[Path], planned: int) -> None:
-        self._paths = [(Path(p), True) for p in completion_paths] + [(Path(p), False) for p in reject_paths]
-        self._offsets: dict[Path, int] = {}
+        self._tails = [(CheckpointTail(Path(p)), True) for p in completion_paths]
+        self._tails += [(CheckpointTail(Path(p)), False) for p in reject_paths]
         self._planned = planned
         self._finished = self._steps = self._turns = self._tokens = 0
         self._outcomes: Counter[str] = Counter()
 
-    def _new_lines(self, path: Path) -> list[bytes]:
-        offset = self._offsets.get(path, 0)
-        try:
-            with open(path, "rb") as f:
-                f.seek(offset)
-                chunk = f.read()
-        except FileNotFoundError:
-            return []
-        end = chunk.rfind(b"\n") + 1
-        self._offsets[path] = offset + end
-        return [line for line in chunk[:end].split(b"\n") if line.strip()]
-
     def poll(self) -> TurnCounts:
-        """Read what was appended and return the counts so far."""
-        for path, is_completion in self._paths:
-            for raw in self._new_lines(path):
-                try:
-                    row = json.loads(raw)
-                except ValueError:
-                    log.warning("%s: a line that is not JSON was not counted", path)
-                    continue
+        """Read what was appended and return the counts so far; CheckpointError (file:line) on a corrupt line."""
+        for tail, is_completion in self._tails:
+            for line in tail.read():
+                row = line.row(tail.path)
                 if is_completion:
                     self._steps += 1
                     self._tokens += int(row.get("completion_tokens", 0))

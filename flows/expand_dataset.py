@@ -23,20 +23,21 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 from prefect.cache_policies import NO_CACHE
+from prefect.client.schemas.objects import State
 from prefect.context import FlowRunContext, TaskRunContext
 from prefect.futures import PrefectFuture, as_completed
 from prefect.states import Completed
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 import datagen
-from datagen import alerts, catalog, failure, paths, report
+from datagen import alerts, catalog, diskspace, failure, paths, report
 from datagen.chat import ChatTokenizer
 from datagen.checks import CheckResult
 from datagen.dataset_card import Lineage, write_dataset_card
 from datagen.engine import plan_trial
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.launcher import ServerFleet
-from datagen.engine.memory_plan import numerics_flags
+from datagen.engine.memory_plan import MemoryPlan, numerics_flags
 from datagen.engine.stats import DispatcherStats
 from datagen.identity import generation_cache_key
 from datagen.layout import RunLayout
@@ -59,7 +60,7 @@ from tasks import (
 )
 from tasks.serving import serving
 
-__all__ = ["expand_dataset", "finish_dataset", "publish_dataset", "published_before"]
+__all__ = ["expand_dataset", "finish_dataset", "publish_dataset", "published_before", "retry_unless_disk_full"]
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,15 @@ def _generate_shard(
     return generation.generate_shard(shard_id, layout, dispatcher, chat, spec)
 
 
+def retry_unless_disk_full(task: object, task_run: object, state: State[Any]) -> bool:
+    """Prefect's retry condition of every retried task: a full disk is not retried (waiting does not free it).
+
+    The run then fails at once and its reason names the path (datagen.failure, datagen.diskspace), instead of
+    failing the same way after 70 s of retry delays.
+    """
+    return not (isinstance(state.data, BaseException) and diskspace.full_disk(state.data) is not None)
+
+
 check_environment_task = task(name="check environment", cache_policy=NO_CACHE)(_check_environment)
 memory_plan_task = task(name="memory plan", cache_policy=NO_CACHE)(environment.memory_plan_for)
 plan_task = task(name="plan shards", cache_policy=NO_CACHE)(planning.plan_shards)
@@ -132,6 +142,7 @@ generate_shard_task = task(
     persist_result=True,
     retries=2,
     retry_delay_seconds=[10, 60],
+    retry_condition_fn=retry_unless_disk_full,
 )(_generate_shard)
 
 
@@ -142,6 +153,7 @@ def _quality_gate(
     reject_paths: list[str],
     downstream_reasons: dict[str, int] | None = None,
     namespace: str = "",
+    published_before: int = 0,
 ) -> validation.GateReport:
     downstream = downstream_reasons or {}
     report = validation.check_quality_gate(
@@ -152,6 +164,7 @@ def _quality_gate(
         upstream_reasons,
         reject_paths,
         downstream,
+        published_before=published_before,
     )
     create_markdown_artifact(
         markdown=validation.render_validation_report(summary, report),
@@ -171,11 +184,17 @@ finish_shard_task = task(
 )(finishing.finish_shard)
 close_validation_task = task(name="validation summary", cache_policy=NO_CACHE)(finishing.close_validation)
 close_tokenization_task = task(name="tokenized files", cache_policy=NO_CACHE)(finishing.close_tokenization)
-publish_task = task(name="publish", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)(publishing.publish)
+publish_task = task(
+    name="publish", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5, retry_condition_fn=retry_unless_disk_full
+)(publishing.publish)
 import_pilot_task = task(name="reuse pilot completions", cache_policy=NO_CACHE)(pilot.import_pilot)
-catalog_task = task(name="catalog prompt ids", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)(
-    catalog.write_part
-)
+catalog_task = task(
+    name="catalog prompt ids",
+    cache_policy=NO_CACHE,
+    retries=1,
+    retry_delay_seconds=5,
+    retry_condition_fn=retry_unless_disk_full,
+)(catalog.write_part)
 
 
 def publish_dataset(
@@ -194,8 +213,10 @@ def publish_dataset(
 def published_before(store: ObjectStore, spec: RunSpec, layout: RunLayout) -> dict[str, Any] | None:
     """The summary of a run whose earlier attempt already published it (killed after its manifest), else None.
 
-    Its catalog part is written if it is missing; nothing else is done (no servers, no generation).
+    Its catalog part is written if it is missing; nothing else is done (no servers, no generation). A namespace
+    another run spec published is refused (PublishError naming that run) before anything is done.
     """
+    publishing.refuse_other_run(store, spec.namespace, spec.model_dump(mode="json"))
     manifest = publishing.published_as_staged(store, spec.namespace, layout.staging_dir)
     if manifest is None:
         return None
@@ -224,11 +245,13 @@ def finish_dataset(
     plan_args: Sequence[str] = (),
     plan_note: str | None = None,
     plan_args_by_box: Mapping[str, Sequence[str]] | None = None,
+    skipped: tuple[int, int] = (0, 0),
 ) -> tokenization.TokenizationSummary:
     """Gate what the stream validated, close tokenization, gate again and write the dataset card.
 
     Without a `stream` (callers that did not finish shards while generating), every shard is finished here.
     `plan_args` (or `plan_args_by_box`, a multi-box run) and `plan_note` are the memory plan the card records.
+    `skipped`: the plan's prompts and old load rejects skipped as published before (the gate and the card).
     """
     if stream is None:
         stream = finishing.StreamingFinish([r.shard_id for r in shard_results], layout, chat, spec)
@@ -252,6 +275,7 @@ def finish_dataset(
         # Every tokenize reject by its reason: "tokenize=3" said nothing a person could act on.
         {k: v for k, v in tokenized.rejects_by_reason.items() if k.startswith("tokenize/")},
         namespace=spec.namespace,
+        published_before=skipped[0],
     )
     pinned = pin_facts(layout.pinned_facts, run_id)
     # Published with the data: each reject reason's share and example rows, and the gate that passed.
@@ -276,6 +300,8 @@ def finish_dataset(
             # The first attempt's: a re-run must publish the README.md its interrupted attempt claimed.
             run_id=pinned.run_id,
             created_at=pinned.created_at,
+            skipped_published=skipped[0],
+            old_rejects_skipped=skipped[1],
         ),
         sizes=tokenized.sizes(),
     )
@@ -288,6 +314,7 @@ class _Generated:
     final_stats: DispatcherStats | None = None  # None when no server was needed
     throughput: list[tuple[str, float]] = field(default_factory=list)
     engine_version: str | None = None
+    plan_args: list[str] | None = None  # the memory plan's flags the servers ran (recalibrated at launch, or not)
 
 
 def _generate(
@@ -301,10 +328,12 @@ def _generate(
     progress_id: UUID,
     clock: report.StageClock,
     plan_args: Sequence[str] = (),
+    memory_plan: MemoryPlan | None = None,
 ) -> _Generated:
     """Every shard generated (validated and tokenized as each is done); servers only when a shard has work left.
 
-    `plan_args`: the memory plan's flags the servers start with (`serving` passes them to the fleet).
+    `plan_args`: the memory plan's flags the servers start with (`serving` passes them to the fleet);
+    `memory_plan`: the plan, whose predicted pools the fleet checks against each server's log.
     """
     logger = get_run_logger()
     if not any(pending.values()):  # a retry whose shards are all checkpointed loads no model
@@ -313,7 +342,9 @@ def _generate(
         description = f"Generation of {spec.namespace}: all prompts settled before"
         update_progress_artifact(artifact_id=progress_id, progress=100.0, description=description)
         return _Generated(results)
-    with serving(settings, spec, layout, plan_args=plan_args, start=start_servers_task) as served:
+    with serving(
+        settings, spec, layout, plan_args=plan_args, memory_plan=memory_plan, start=start_servers_task
+    ) as served:
         clock.mark("server start")
         settled_before = plan.n_prompts - sum(pending.values())
         label = f"Generation of {spec.namespace}: "
@@ -330,7 +361,10 @@ def _generate(
             results = _generate_shards(plan, spec, layout, chat, served.dispatcher, stream)
         if progress.last_stats is not None:
             logger.info("%s", progress.last_stats.line())
-        return _Generated(results, progress.last_stats, progress.throughput_series(), served.fleet.engine_version)
+        fleet = served.fleet
+        return _Generated(
+            results, progress.last_stats, progress.throughput_series(), fleet.engine_version, list(fleet.plan_args)
+        )
 
 
 def _step_tail(plan: planning.ShardPlan, layout: RunLayout) -> StepTail:
@@ -412,19 +446,23 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
         if spec.skip_published
         else set()
     )
+    # Rows another namespace published as load rejects: skipped like published prompts, neither judged by the
+    # gates nor published again (a source's permanent broken rows must not fail every later expansion).
+    old_rejects = catalog.published_load_rejects(store, exclude={spec.namespace}) if spec.skip_published else set()
     projection = pilot.load_projection(settings.work_dir, spec.pilot) if spec.pilot else None
     select, selection = ordering.run_filter(
         spec, skip, layout.root / "sort-spill", projection.length_model if projection else None
     )
     clock.mark("environment checks, tokenizer, catalog")
-    plan = plan_task(spec, layout, select=select)
+    plan = plan_task(spec, layout, select=select, published=skip, old_rejects=old_rejects)
     clock.mark("planning")
     logger.info(
-        "planned %d prompts in %d shards (%d load rejects, %d published before and skipped)",
+        "planned %d prompts in %d shards (%d load rejects; skipped as published before: %d prompts and %d old rejects)",
         plan.n_prompts,
         len(plan.shard_ids),
         plan.n_load_rejects,
-        len(skip),
+        plan.n_skipped_published,
+        plan.n_old_rejects_skipped,
     )
     if selection is not None:
         create_markdown_artifact(
@@ -437,12 +475,13 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
         markdown, message = report.nothing_to_do_report(
             spec.namespace,
             [src.path for src in spec.sources],
-            len(skip),
+            plan.n_skipped_published,
             [n for n in catalog.catalog_namespaces(store) if n != spec.namespace] if skip else [],
             plan.n_load_rejects,
             spec.skip_published,
             selection.model_dump() if selection is not None else None,
             plan.n_rows_in_sources,
+            n_old_rejects=plan.n_old_rejects_skipped,
         )
         create_markdown_artifact(
             markdown=markdown, key="run-report", description=f"Run report of {spec.namespace}: nothing to do"
@@ -453,7 +492,9 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
             "namespace": spec.namespace,
             "prompts": 0,
             "rows_read": plan.n_rows,
-            "skipped_published": len(skip),
+            "skipped_published": plan.n_skipped_published,
+            "old_rejects_skipped": plan.n_old_rejects_skipped,
+            "load_rejects": plan.n_load_rejects,
         }
         # A Completed state with a message: the run list and the run page say "nothing new" at a glance.
         return cast("dict[str, Any]", Completed(message=message, data={**summary, "message": message}))
@@ -490,18 +531,35 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
     pending = pending_task(plan.shard_ids, layout, chat, spec)
     stream = finishing.StreamingFinish(plan.shard_ids, layout, chat, spec)
     plan_args = memory_plan.plan_args if memory_plan else []
-    generated = _generate(settings, spec, layout, chat, plan, pending, stream, progress_id, clock, plan_args)
+    generated = _generate(
+        settings, spec, layout, chat, plan, pending, stream, progress_id, clock, plan_args, memory_plan
+    )
     shard_results, final_stats = generated.shard_results, generated.final_stats
+    if generated.plan_args is not None and generated.plan_args != list(plan_args):
+        # The fleet found the engine's pools short of the plan and relaunched with it recalibrated (issue 37).
+        plan_args = generated.plan_args
     clock.mark("generation")
 
     note = f"kept by the pilot's side-by-side trial: {kept_why}" if memory_plan and memory_plan.kept_by_trial else None
     tokenized = finish_dataset(
-        spec, layout, chat, plan.n_load_rejects, shard_results, run_id, stream, plan_args, plan_note=note
+        spec,
+        layout,
+        chat,
+        plan.n_load_rejects,
+        shard_results,
+        run_id,
+        stream,
+        plan_args,
+        plan_note=note,
+        skipped=(plan.n_skipped_published, plan.n_old_rejects_skipped),
     )
     clock.mark("validation + tokenization")
     turn_counts = _step_tail(plan, layout).poll() if spec.turns == "every" else None
     lineage = {
         "run_spec": spec.model_dump(mode="json"),
+        # Named when another run spec targets this namespace (publishing.refuse_other_run).
+        "run_id": run_id,
+        "run_name": ctx.flow_run.name if ctx and ctx.flow_run else None,
         "model_path": spec.model_path,
         "model_fingerprint": chat.fingerprint,
         "chat_template_hash": chat.template_hash,
@@ -514,6 +572,8 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
         "rows": tokenized.n_rows,
         "rejects": tokenized.n_rejects,
         "rejects_by_reason": tokenized.rejects_by_reason,
+        "skipped_published": plan.n_skipped_published,
+        "old_rejects_skipped": plan.n_old_rejects_skipped,
     } | (
         # Every turn only (a `last` run's manifest is unchanged): the run's conversation counts, and the published
         # conversations/ lines and user turns (one row each).
@@ -560,6 +620,8 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
         lengths=report.completion_lengths(Path(r.completions_path) for r in shard_results),
         conversations=turn_counts,
         link=dataset_link,
+        skipped_published=plan.n_skipped_published,
+        old_rejects_skipped=plan.n_old_rejects_skipped,
     )
     create_markdown_artifact(
         markdown=report.run_report(facts),

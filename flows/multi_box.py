@@ -176,7 +176,7 @@ def _generate_on_box(
     chat = ChatTokenizer.shared(spec.model_path)
     finished: list[generation.ShardResult] = []
     failures: Counter[int] = Counter()
-    with serving(settings, spec, layout, plan_args=plan_args) as served:
+    with serving(settings, spec, layout, plan_args=plan_args, memory_plan=memory_plan) as served:
         dispatcher, fleet = served.dispatcher, served.fleet
         logger.info("box %s: %d servers up, owner token %s", this_box, len(fleet), sx.owner)
         inflight: dict[PrefectFuture[generation.ShardResult], int] = {}

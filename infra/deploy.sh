@@ -3,7 +3,8 @@
 # every change to prefect.yaml or to a flow's parameters.
 #   PREFECT_API_URL=http://prefect-host:4200/api bash infra/deploy.sh
 # The server's auth string: PREFECT_API_AUTH_STRING, else the auth file (infra/prefect-auth.sh).
-# Optional: DATAGEN_WORK_POOL (default gpu-box-1, the pool prefect.yaml names), PREFECT_BIN;
+# Then pins what was deployed on this box (`datagen pin`, DATAGEN_PIN_FILE): run it on the GPU box, or run
+# `datagen pin` there afterwards. Optional: DATAGEN_WORK_POOL (default gpu-box-1, the pool prefect.yaml names), PREFECT_BIN;
 # DATAGEN_ALERT_WEBHOOK_URL or DATAGEN_ALERT_BLOCK (type/name): install the failed-run automation too; without
 # either, DATAGEN_ALERT_LOG_DIR=<dir> (laptop.sh): the automation posts to a loopback listener writing <dir>/alerts.log;
 # DATAGEN_DEPLOY_RUN_SPEC=<run-spec.json>: its fields become every deployment's `spec` defaults (laptop.sh).
@@ -41,6 +42,8 @@ if [ -n "${DATAGEN_DEPLOY_RUN_SPEC:-}" ]; then
   # Right after `prefect deploy` reset each deployment's parameters to prefect.yaml's: theirs win over the file's.
   "$python_bin" -m datagen.deploy_defaults "$DATAGEN_DEPLOY_RUN_SPEC"
 fi
+# What this box's worker may run, as just deployed (docs/security.md). Another box runs `datagen pin` itself.
+"$python_bin" -m datagen.cli pin --pool "$pool"
 if [ -n "${DATAGEN_ALERT_WEBHOOK_URL:-}" ] || [ -n "${DATAGEN_ALERT_BLOCK:-}" ]; then
   if [ -n "${DATAGEN_ALERT_WEBHOOK_URL:-}" ]; then
     "$python_bin" -m datagen.alerts install --webhook-url "$DATAGEN_ALERT_WEBHOOK_URL"

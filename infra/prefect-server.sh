@@ -5,7 +5,8 @@
 #   bash infra/prefect-server.sh stop           # the one `start` started
 # Always: basic auth (PREFECT_SERVER_API_AUTH_STRING, else the auth file of infra/prefect-auth.sh, generated
 # once), CSRF protection on, CORS limited to the UI's own origin, loopback unless PREFECT_SERVER_API_HOST says
-# otherwise. For production point PREFECT_API_DATABASE_CONNECTION_URL at PostgreSQL (infra/DEPLOY.md).
+# otherwise; DATAGEN_PROXY_URL (the proxy's URL, infra/prefect-proxy.sh): the UI calls the API through it. For
+# production point PREFECT_API_DATABASE_CONNECTION_URL at PostgreSQL (infra/DEPLOY.md).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=infra/prefect-auth.sh
@@ -31,6 +32,12 @@ secure_server_env() {
     fi
     PREFECT_SERVER_API_AUTH_STRING=$(datagen_read_auth_file "$file" prefect-server.sh)
     export PREFECT_SERVER_API_AUTH_STRING
+  fi
+  # Behind infra/prefect-proxy.sh: browsers open the UI through the proxy, and the UI must call the API there too
+  # (it reads its API URL from the server); the proxy's origin is then the UI's origin.
+  if [ -n "${DATAGEN_PROXY_URL:-}" ]; then
+    export PREFECT_UI_API_URL="${PREFECT_UI_API_URL:-${DATAGEN_PROXY_URL%/}/api}"
+    export PREFECT_UI_URL="${PREFECT_UI_URL:-${DATAGEN_PROXY_URL%/}/v2}"
   fi
   # Not a default but a rule: turning CSRF protection off means editing this script, on purpose.
   export PREFECT_SERVER_API_CSRF_PROTECTION_ENABLED=true

@@ -7,7 +7,7 @@
 # The worker's environment is the flow runs' environment: export the DATAGEN_* settings (or put them in
 # $DATAGEN_HOME/.env) before starting it. Optional: DATAGEN_WORK_POOL (default gpu-box-1),
 # DATAGEN_WORKER_NAME (default gpu-worker-<hostname>), DATAGEN_WORKER_LIMIT (default 1), PREFECT_BIN,
-# DATAGEN_WORK_QUEUE (multi-box: the box's own queue, named like DATAGEN_BOX_NAME; see docs/multi-box.md).
+# DATAGEN_PYTHON, DATAGEN_PIN_FILE, DATAGEN_WORK_QUEUE (multi-box: the box's own queue, named like DATAGEN_BOX_NAME; see docs/multi-box.md).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=infra/prefect-auth.sh
@@ -28,17 +28,18 @@ fi
 # Prefect's client retries 408/429/502/503 and connection errors with 2**n s backoff; 7 tries (~4 min) ride out
 # a server whose SQLite is busy under load (default 5, ~1 min). An explicit setting wins.
 export PREFECT_CLIENT_MAX_RETRIES="${PREFECT_CLIENT_MAX_RETRIES:-7}"
-prefect_bin=${PREFECT_BIN:-}
-if [ -z "$prefect_bin" ]; then
-  if [ -x "$DATAGEN_HOME/.venv/bin/prefect" ]; then prefect_bin="$DATAGEN_HOME/.venv/bin/prefect"; else prefect_bin=prefect; fi
+python_bin=${DATAGEN_PYTHON:-}
+if [ -z "$python_bin" ]; then
+  if [ -x "$DATAGEN_HOME/.venv/bin/python" ]; then python_bin="$DATAGEN_HOME/.venv/bin/python"; else python_bin=python3; fi
 fi
 cd "$DATAGEN_HOME"
 queue_args=()
 if [ -n "${DATAGEN_WORK_QUEUE:-}" ]; then queue_args=(--work-queue "$DATAGEN_WORK_QUEUE"); fi
+# datagen's own worker (datagen/worker.py): a process worker that runs only what `datagen pin` recorded on this
+# box (DATAGEN_PIN_FILE, default $DATAGEN_HOME/.datagen/pin/pin.json), with a command of its own.
 # exec: the worker gets this script's pid, so signals (SIGINT from systemd or a test) reach it directly.
-exec "$prefect_bin" worker start \
+exec "$python_bin" -m datagen.worker \
   --pool "${DATAGEN_WORK_POOL:-gpu-box-1}" \
-  --type process \
   --name "${DATAGEN_WORKER_NAME:-gpu-worker-$(hostname -s)}" \
   --limit "${DATAGEN_WORKER_LIMIT:-1}" \
   "${queue_args[@]}"

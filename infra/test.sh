@@ -15,4 +15,8 @@ export PREFECT_SERVER_ANALYTICS_ENABLED=false
 .venv/bin/ruff format --check .
 .venv/bin/ruff check .
 .venv/bin/mypy
-exec .venv/bin/pytest "$@"
+# The suite runs in DATAGEN_TEST_WORKERS processes (default 3; 0 runs it in this one process), a whole file per
+# process at a time, longest files first (tests/conftest.py LONG_FILES_FIRST; docs/testing.md). Arguments given
+# here come after these, so `bash infra/test.sh -n 0 tests/unit` also works.
+workers=${DATAGEN_TEST_WORKERS:-3}
+exec .venv/bin/pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@"

@@ -16,6 +16,7 @@ from datagen.checks.gpu import GpuProbeError, gpu_checks, run_probe
 from datagen.checks.model_dir import check_free_ram, check_free_space, model_dir_checks
 from datagen.checks.server_flags import SERVER_FLAG_CHECK_NAMES, server_flag_checks
 from datagen.engine.memory_plan import (
+    ENGINE_MEMORY,
     EngineFlags,
     GpuMemory,
     MemoryPlan,
@@ -24,6 +25,7 @@ from datagen.engine.memory_plan import (
     Turns,
     card_bandwidth,
     expected_context,
+    for_engine,
     is_hybrid_gdn,
     plan_memory,
     weights_bytes,
@@ -115,7 +117,15 @@ def _planned_gpu(settings: Settings, probe: dict[str, Any] | None, model_dir: Pa
         return f"{model_dir}: no safetensors weights to size"
     gpu = min(devices, key=lambda d: d.get("free_memory_bytes") or d["total_memory_bytes"])
     free = gpu.get("free_memory_bytes") or gpu["total_memory_bytes"]
-    return GpuMemory(gpu["total_memory_bytes"], free, weights, card_bandwidth(str(gpu.get("name", ""))))
+    planned = GpuMemory(gpu["total_memory_bytes"], free, weights, card_bandwidth(str(gpu.get("name", ""))))
+    # What the installed engine takes from the pools (ENGINE_MEMORY: 0.5.17 reserves 1 GiB for multimodal
+    # transfers first, issue 37); an engine without a profile is sized as the target 0.5.23. The launcher checks
+    # the pools each server logs either way.
+    packages = (probe or {}).get("packages")
+    version = packages.get("sglang") if isinstance(packages, dict) else None
+    if isinstance(version, str) and version in ENGINE_MEMORY:
+        return for_engine(planned, version)
+    return planned
 
 
 def memory_plan_for(

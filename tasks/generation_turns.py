@@ -8,9 +8,10 @@ conversation or shard, the servers stay full. A step's request key is `<conversa
 What goes next is ranked by the work a conversation has left (`work_left`: its remaining steps, one per recorded
 assistant step of each user turn, times the expected step length; plan order breaks ties): conversations open,
 and ready steps are sent, most work left first, so the longest chains start early instead of ending the run
-alone (benchmarks/README.md, conversations). Across shards the rank is global, but a shard holding fewer
-requests than its share (`ShardShares`, datagen/engine/gate.py) goes first in plan order: none is starved, and
-the lowest shards, which the finishing stream waits for, keep advancing.
+alone (benchmarks/README.md, conversations). A shard keeps its plan-order reservation until its first step is
+in the dispatcher's queue; from then on the rank is global across shards, but a shard holding fewer requests
+than its share (`ShardShares`, datagen/engine/gate.py) goes first in plan order: none is starved, and the
+lowest shards, which the finishing stream waits for, keep advancing.
 
 The checkpoint is the same exactly-once ledger as in `last` mode (datagen.checkpoint), keyed by step: a rerun
 reads it, takes every conversation whose last line carries an `outcome` or that has a reject line as settled,
@@ -23,19 +24,18 @@ the conversation there anyway, so nothing after it is generated.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
+import contextlib
 import heapq
 import itertools
 import json
 import logging
-import queue
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from datagen.chat import ChatTokenizer
-from datagen.checkpoint import CheckpointAppender, CheckpointError, read_lines, read_rows, summarize
-from datagen.engine.client import GenerateResult, ProtocolError, RequestRejected, sampling_params_for
+from datagen.checkpoint import CheckpointAppender, CheckpointError, read_lines, read_rows
+from datagen.engine.client import GenerateResult, sampling_params_for
 from datagen.engine.dispatcher import Dispatcher, GenerateJob, SubmitTimeout
 from datagen.faults import kill_point
 from datagen.identity import RequestKeys, preparer_for
@@ -55,13 +55,15 @@ from datagen.regeneration import (
 )
 from datagen.repetition import word_tokens
 from datagen.runspec import RunSpec
-from tasks.generation import (
+from tasks.shard_generation import (
     SUBMIT_POLL_S,
-    GenerationIncomplete,
+    InFlight,
+    Refused,
     ShardResult,
     completion_record,
     generation_reject,
     read_prompts,
+    shard_result,
 )
 
 __all__ = [
@@ -235,10 +237,12 @@ class _ShardConversations:
         chat: ChatTokenizer,
         spec: RunSpec,
         flush_interval_s: float,
+        place: contextlib.ExitStack,
         step_tokens: StepTokens | None = None,
     ) -> None:
         self.shard_id = shard_id
         self.step_tokens = step_tokens if step_tokens is not None else pilot_step_tokens(layout, spec)
+        self.place = place  # the shard's reservation of its plan order: closed once every conversation is opened
         self.completions_path, self.rejects_path = layout.shard_completions(shard_id), layout.shard_rejects(shard_id)
         self.prompts_path = layout.shard_prompts(shard_id)
         self.dispatcher = dispatcher
@@ -246,14 +250,10 @@ class _ShardConversations:
         self.sampling = sampling_params_for(spec.sampling)
         self.flush_interval_s = flush_interval_s
         self.key_of = RequestKeys(spec.sampling, chat)
-        self.inflight: dict[concurrent.futures.Future[GenerateResult], tuple[_Conversation, Script, StepRequest]] = {}
-        # Futures land here as they finish (done-callbacks run on the dispatcher's thread; only this one writes).
-        self.finished: queue.SimpleQueue[concurrent.futures.Future[GenerateResult]] = queue.SimpleQueue()
+        self.inflight: InFlight[tuple[_Conversation, Script, StepRequest]] = InFlight()
         # Next steps of conversations under way, most work left first: (rank, arrival, item).
         self.ready: list[tuple[tuple[float, int], int, tuple[_Conversation, Script, StepRequest]]] = []
         self._arrivals = itertools.count()
-        self.failures: list[BaseException] = []
-        self.n_sent = 0
         self.completions: CheckpointAppender  # opened by run(), once the ledger is known to be this shard's
         self.rejects: CheckpointAppender
 
@@ -292,22 +292,23 @@ class _ShardConversations:
                 with self.dispatcher.shares.sending(self.shard_id):
                     self._generate(collections.deque(todo), ledgers)
         finally:
-            for fut in self.inflight:
-                fut.cancel()  # only queued ones cancel; what runs finishes on the servers, unrecorded
+            self.inflight.cancel()
             self.completions.close()
             self.rejects.close()
-        if self.failures:
-            raise GenerationIncomplete(
-                f"shard {self.shard_id}: {len(self.failures)} of {self.n_sent} steps sent got no result; every "
-                f"step before them is checkpointed and a retry resumes those conversations there. First error: "
-                f"{self.failures[0]}"
-            ) from self.failures[0]
+        self.inflight.check(
+            self.shard_id,
+            "steps",
+            "every step before them is checkpointed and a retry resumes those conversations there",
+        )
         return self._result(conversations)
 
     @staticmethod
     def _rank(conv: _Conversation, step: int) -> tuple[float, int]:
         """Most work left first, then plan order."""
         return (-conv.work_left(step), conv.row)
+
+    def _rank_of(self, item: tuple[_Conversation, Script, StepRequest]) -> tuple[float, int]:
+        return self._rank(item[0], item[2].step)
 
     def _generate(self, todo: collections.deque[_Conversation], ledgers: dict[str, _Ledger]) -> None:
         """Send ready steps and open conversations, most work left first, writing results as they come."""
@@ -331,7 +332,8 @@ class _ShardConversations:
             elif opened is not None:
                 item = opened
             else:
-                if not self.inflight and not todo:
+                self.place.close()  # every conversation is open: later shards may go ahead now
+                if not self.inflight.items:
                     return
                 self._harvest(self.flush_interval_s)
                 continue
@@ -340,7 +342,7 @@ class _ShardConversations:
                 self.shard_id,
                 conv.row,
                 conv.work_left(req.step),
-                len(self.inflight),
+                len(self.inflight.items),
                 dispatcher.shares.share(dispatcher.queue_limit),
             )
             job = GenerateJob(
@@ -354,12 +356,10 @@ class _ShardConversations:
                 continue  # (a prepared opening stays in `opened`)
             if not from_ready:
                 opened = None
-            self.inflight[fut] = item
-            fut.add_done_callback(self.finished.put)  # after the entry exists: harvest pops it
-            self.n_sent += 1
-
-    def _rank_of(self, item: tuple[_Conversation, Script, StepRequest]) -> tuple[float, int]:
-        return self._rank(item[0], item[2].step)
+            self.inflight.add(fut, item)
+            # Its first step is in the queue: the shard's share keeps it from starving from here on, so later
+            # shards may prepare theirs (the reservation only covers a late start, e.g. a long checkpoint read).
+            self.place.close()
 
     def _open_next(
         self, todo: collections.deque[_Conversation], ledgers: dict[str, _Ledger]
@@ -401,32 +401,19 @@ class _ShardConversations:
 
     def _harvest(self, timeout: float) -> None:
         """Write every finished step and queue its successor; wait up to `timeout` for the first one."""
-        batch: list[concurrent.futures.Future[GenerateResult]] = []
-        try:
-            batch.append(self.finished.get(timeout=timeout) if timeout > 0 else self.finished.get_nowait())
-            while True:
-                batch.append(self.finished.get_nowait())
-        except queue.Empty:
-            pass
-        for fut in batch:
-            self._settle(fut, *self.inflight.pop(fut))
+        for outcome, item in self.inflight.finished(timeout):
+            self._settle(outcome, *item)
         self.completions.sync_if_due()
         self.rejects.sync_if_due()
 
     def _settle(
-        self, fut: concurrent.futures.Future[GenerateResult], conv: _Conversation, script: Script, req: StepRequest
+        self, result: GenerateResult | Refused | None, conv: _Conversation, script: Script, req: StepRequest
     ) -> None:
         key = step_key(conv.key, req.step)
-        try:
-            result = fut.result()
-        except RequestRejected as exc:
-            self._write_reject(conv, req.step, "server_rejected", f"{exc.server}: {exc.message}")
+        if isinstance(result, Refused):
+            self._write_reject(conv, req.step, result.reason, result.detail)
             return
-        except ProtocolError as exc:
-            self._write_reject(conv, req.step, "protocol_error", str(exc))
-            return
-        except Exception as exc:  # not about this step: left unsettled so a shard retry resumes here
-            self.failures.append(exc)
+        if result is None:  # not about this step (InFlight.failures): left unsettled, a shard retry resumes here
             return
         c = completion_record(conv.prompt, key, len(req.prompt_ids), result, conv.row)
         assert self.dispatcher is not None
@@ -454,26 +441,8 @@ class _ShardConversations:
         open_ = [key for key in conversations if key not in ledgers or not ledgers[key].settled]
         if open_:
             raise CheckpointError(f"shard {self.shard_id}: {len(open_)} conversations neither ended nor rejected")
-        n_completed, output_tokens, sha = summarize(self.completions_path)
-        n_rejected = sum(1 for _ in read_lines(self.rejects_path))
-        logger.info(
-            "shard %d done: %d completed, %d rejected, %d sent now, %d output tokens",
-            self.shard_id,
-            n_completed,
-            n_rejected,
-            self.n_sent,
-            output_tokens,
-        )
-        return ShardResult(
-            shard_id=self.shard_id,
-            completions_path=str(self.completions_path),
-            rejects_path=str(self.rejects_path),
-            n_prompts=len(conversations),
-            n_completed=n_completed,
-            n_rejected=n_rejected,
-            n_sent=self.n_sent,
-            output_tokens=output_tokens,
-            completions_sha256=sha,
+        return shard_result(
+            self.shard_id, self.completions_path, self.rejects_path, len(conversations), self.inflight.n_sent
         )
 
 
@@ -483,12 +452,14 @@ def generate_conversations(
     dispatcher: Dispatcher | None,
     chat: ChatTokenizer,
     spec: RunSpec,
-    flush_interval_s: float = 2.0,
+    flush_interval_s: float,
+    place: contextlib.ExitStack,
     step_tokens: StepTokens | None = None,
 ) -> ShardResult:
     """Generate every conversation of one shard its checkpoint has not settled, each step once; counts in
     `ShardResult` are conversations (`n_prompts`), step lines (`n_completed`) and reject lines (`n_rejected`).
 
-    `step_tokens`: each conversation's expected tokens per step, for ranking by work left (None: the run's pilot's
-    length model when its projection is on this box, else each step counts 1)."""
-    return _ShardConversations(shard_id, layout, dispatcher, chat, spec, flush_interval_s, step_tokens).run()
+    `place` holds the shard's plan order (generate_shard's reservation) until its first step is in the dispatcher's
+    queue. `step_tokens`: each conversation's expected tokens per step, for ranking by work left (None: the run's
+    pilot's length model when its projection is on this box, else each step counts 1)."""
+    return _ShardConversations(shard_id, layout, dispatcher, chat, spec, flush_interval_s, place, step_tokens).run()

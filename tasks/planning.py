@@ -17,7 +17,7 @@ import re
 import tempfile
 from array import array
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -83,6 +83,14 @@ class ShardPlan(BaseModel):
         description="Rows the sources hold, before selection (skipped published prompts included); not in "
         "plan_sha256. 0: the sources are empty. None: a plan written before this was counted.",
     )
+    n_skipped_published: int = Field(
+        0, description="Prompts this run read and skipped because another namespace published them (not in the hash)."
+    )
+    n_old_rejects_skipped: int = Field(
+        0,
+        description="Rows this run read and skipped because another namespace published them as load rejects "
+        "(catalog load-rejects parts): neither counted by the gates nor published again (not in the hash).",
+    )
 
 
 def plan_manifest_path(layout: RunLayout) -> Path:
@@ -95,18 +103,23 @@ def plan_shards(
     layout: RunLayout,
     base_dir: Path | None = None,
     select: Callable[[Iterator[Prompt | Reject]], Iterator[Prompt | Reject]] | None = None,
+    published: Collection[str] = frozenset(),
+    old_rejects: Collection[str] = frozenset(),
 ) -> ShardPlan:
     """Stream the spec's prompt sources into shard files and load rejects; keep files that already match.
 
-    `select` (optional) filters and reorders the stream before it is cut into shards (see tasks.selection and
-    tasks.ordering); shards are written in the order it yields, which is the dispatch order.
+    `published` (prompt ids) and `old_rejects` (load reject keys, datagen.prompts) are what other namespaces
+    published: those rows are skipped and counted, never planned or rejected again. `select` (optional) filters
+    and reorders the rest before it is cut into shards (see tasks.selection and tasks.ordering); shards are
+    written in the order it yields, which is the dispatch order.
     """
     # Resolves every source first: a config error raises here, before any file is touched.
     # Prompt ids follow the rendered token ids under the model's template (see PromptIdentity); the ids it
     # renders are written beside each shard for generation (render once: datagen.preparation).
     identity = PromptIdentity.for_spec(spec)
     read = _Counted(iter_prompts(spec.sources, base_dir, identity))
-    items: Iterator[Prompt | Reject] = read
+    known = _SkipPublished(read, published, old_rejects)
+    items: Iterator[Prompt | Reject] = iter(known)
     if select is not None:
         items = select(items)
     layout.shards_dir.mkdir(parents=True, exist_ok=True)
@@ -180,7 +193,15 @@ def plan_shards(
         "load_rejects_sha256": rejects_sha,
     }
     plan_sha = hashlib.sha256(json.dumps(body, sort_keys=True).encode("utf-8")).hexdigest()
-    plan = ShardPlan.model_validate({**body, "plan_sha256": plan_sha, "n_rows_in_sources": read.n})
+    plan = ShardPlan.model_validate(
+        {
+            **body,
+            "plan_sha256": plan_sha,
+            "n_rows_in_sources": read.n,
+            "n_skipped_published": known.n_published,
+            "n_old_rejects_skipped": known.n_old_rejects,
+        }
+    )
 
     manifest_out = _HashingWriter(manifest)
     try:
@@ -200,7 +221,15 @@ def plan_shards(
 
 def check_plan(plan: ShardPlan, gate: QualityGate, layout: RunLayout) -> GateReport:
     """The gate on load rejects alone; raises QualityGateError (reasons, counts, reject file) when it fails."""
-    report = check_load_gate(plan.n_rows, plan.n_prompts, plan.load_rejects_by_reason, gate, str(layout.load_rejects))
+    report = check_load_gate(
+        plan.n_rows,
+        plan.n_prompts,
+        plan.load_rejects_by_reason,
+        gate,
+        str(layout.load_rejects),
+        n_skipped_published=plan.n_skipped_published,
+        n_old_rejects=plan.n_old_rejects_skipped,
+    )
     report.raise_if_failed()
     return report
 
@@ -235,6 +264,28 @@ class _Counted:
         item = next(self._items)
         self.n += 1
         return item
+
+
+class _SkipPublished:
+    """Drops (and counts) the prompts and load rejects other namespaces published; passes the rest through."""
+
+    def __init__(self, items: Iterator[Prompt | Reject], published: Collection[str], old_rejects: Collection[str]):
+        self._items = items
+        self._published = published
+        self._old_rejects = old_rejects
+        self.n_published = 0
+        self.n_old_rejects = 0
+
+    def __iter__(self) -> Iterator[Prompt | Reject]:
+        for item in self._items:
+            if isinstance(item, Reject):
+                if item.request_key is not None and item.request_key in self._old_rejects:
+                    self.n_old_rejects += 1
+                    continue
+            elif item.prompt_id in self._published:
+                self.n_published += 1
+                continue
+            yield item
 
 
 class _Invalidator:

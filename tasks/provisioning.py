@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pydantic import SecretStr
 
 from datagen.engine.launcher import ServerFleet, ServerStartError, reap_orphaned_servers
+from datagen.engine.memory_plan import MemoryPlan
 from datagen.layout import RunLayout
 from datagen.prefect_reaper import reap_orphaned_prefect_servers, record_embedded_prefect_server
 from datagen.runspec import RunSpec
@@ -49,13 +50,23 @@ def provision(
     api_key: SecretStr,
     plan_args: Sequence[str] = (),
     server_plan_args: Sequence[Sequence[str]] | None = None,
+    memory_plan: MemoryPlan | None = None,
 ) -> ServerFleet:
     """A fleet to use as a context manager: servers start (or are health-checked) on entry, stop on exit.
 
     `plan_args`: the memory plan's flags (`tasks.environment.memory_plan_for`), added before the spec's own.
     `server_plan_args`: one flag list per server instead (a pilot's side-by-side trial of candidate plans).
+    `memory_plan`: the plan whose predicted pools each launched server's log is checked against (`ServerFleet`).
     """
-    return ServerFleet(settings, spec, layout, api_key, plan_args=plan_args, server_plan_args=server_plan_args)
+    return ServerFleet(
+        settings,
+        spec,
+        layout,
+        api_key,
+        plan_args=plan_args,
+        server_plan_args=server_plan_args,
+        memory_plan=memory_plan,
+    )
 
 
 def stop_leftover_servers(settings: Settings) -> list[str]:

@@ -42,6 +42,7 @@ __all__ = [
     "abandon",
     "publish",
     "published_as_staged",
+    "refuse_other_run",
     "stage_files",
 ]
 
@@ -367,6 +368,52 @@ def published_as_staged(store: ObjectStore, namespace: str, staging_dir: Path) -
     except (PublishError, ValueError, KeyError, TypeError):
         return None  # not this run's (or not a manifest of ours): the publish step refuses it with its reason
     return manifest if listed == [f.model_dump() for f in files] else None
+
+
+def refuse_other_run(store: ObjectStore, namespace: str, run_spec: dict[str, Any]) -> None:
+    """Raise PublishError when `namespace` is published with another run spec than `run_spec` (its JSON form).
+
+    Only the fields both specs have are compared, at every depth (a namespace published before a field existed
+    is still this run's when the rest agrees); a manifest without a run spec cannot tell, and is left to `publish`.
+    """
+    ns = namespace.strip("/")
+    key = f"{ns}/{MANIFEST_NAME}"
+    if store.head(key) is None:
+        return
+    try:
+        manifest = json.loads(store.get_bytes(key))
+        lineage = manifest.get("lineage") or {}
+        theirs = lineage.get("run_spec")
+    except (ValueError, AttributeError):
+        return  # not a manifest of ours: publish refuses it with its own reason
+    if not isinstance(theirs, dict):
+        return
+    differs = sorted(k for k in theirs.keys() & run_spec.keys() if _spec_differs(theirs[k], run_spec[k]))
+    if not differs:
+        return
+    who = ", ".join(
+        f"{what} {value}"
+        for what, value in (
+            ("run", lineage.get("run_name")),
+            ("run id", lineage.get("run_id")),
+            ("published", manifest.get("created_at")),
+        )
+        if value
+    )
+    raise PublishError(
+        f"{store.uri(key)} exists: namespace {ns!r} was published by another run ({who or 'an earlier run'}) "
+        f"with a different run spec ({', '.join(differs)} differ); this run wrote nothing and publishes no new "
+        "dataset there. Run it under a new namespace (or 'auto'); to resume that run, use its run spec"
+    )
+
+
+def _spec_differs(theirs: Any, ours: Any) -> bool:
+    """Whether two run spec values differ, comparing only the keys both objects have, at every depth."""
+    if isinstance(theirs, dict) and isinstance(ours, dict):
+        return any(_spec_differs(theirs[k], ours[k]) for k in theirs.keys() & ours.keys())
+    if isinstance(theirs, list) and isinstance(ours, list):
+        return len(theirs) != len(ours) or any(_spec_differs(a, b) for a, b in zip(theirs, ours, strict=True))
+    return bool(theirs != ours)
 
 
 def abandon(store: ObjectStore, namespace: str, reason: str) -> str:

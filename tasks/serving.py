@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.launcher import ServerFleet
+from datagen.engine.memory_plan import MemoryPlan
 from datagen.layout import RunLayout
 from datagen.runspec import RunSpec
 from datagen.settings import Settings
@@ -43,17 +44,21 @@ def serving(
     *,
     plan_args: Sequence[str] = (),
     server_plan_args: Sequence[Sequence[str]] | None = None,
+    memory_plan: MemoryPlan | None = None,
     start: Callable[[ServerFleet], object] = ServerFleet.start,
 ) -> Iterator[Serving]:
     """Servers up (started or attached), a dispatcher over them with `on_server_down=fleet.restart`, then stopped.
 
     `plan_args`: the memory plan's flags, before the spec's own `server_args` on every launched server (attach
     mode launches nothing); `server_plan_args`, one list per server, instead (`datagen.engine.plan_trial`).
+    `memory_plan`: the plan itself (its flags when `plan_args` is empty): each launched server's logged pools are
+    checked against its prediction, and a short server is relaunched once with the plan recalibrated from its log
+    (`ServerFleet`, issue 37); `served.fleet.memory_plan` is then the plan the servers run.
     `start` starts the fleet; a flow passes its named task there, so a server that fails to start shows as a red
     task with its log lines.
     """
     key = provisioning.api_key_for(settings)
-    fleet = provisioning.provision(settings, spec, layout, key, plan_args, server_plan_args)
+    fleet = provisioning.provision(settings, spec, layout, key, plan_args, server_plan_args, memory_plan)
     try:
         start(fleet)
         with Dispatcher(

@@ -42,7 +42,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.checkpoint import read_lines, write_lines
+from datagen.checkpoint import CheckpointLine, CheckpointTail, json_row, lines_of, read_lines, write_lines
 from datagen.layout import RunLayout
 from datagen.preparation import install_rendered, rendered_path
 from datagen.records import Completion
@@ -144,8 +144,8 @@ def _shard_name(shard_id: int) -> str:
 
 
 def _request_key(line: str, where: str) -> str:
-    row = json.loads(line)
-    key = row.get("request_key") if isinstance(row, dict) else None
+    """The row's request_key; `where` is its file (or part URI) and line, for CheckpointError and ours."""
+    key = json_row(line, where).get("request_key")
     if not isinstance(key, str):
         raise ShardExchangeError(f"{where}: a row has no request_key")
     return key
@@ -156,9 +156,9 @@ def _part_box(key: str) -> str:
     return key.rsplit("/", 1)[-1].removeprefix("part-").rsplit("-", 2)[0]
 
 
-def _local_rows(path: Path) -> list[str]:
-    """Committed lines of a local checkpoint (datagen.checkpoint's torn-line policy: a torn tail is not a row)."""
-    return [line.text for line in read_lines(path)]
+def _local_rows(path: Path) -> list[tuple[str, str, str]]:
+    """(file:line, box "", line) of a local checkpoint's committed lines (datagen.checkpoint's torn-line rule)."""
+    return [(f"{path}:{line.lineno}", "", line.text) for line in read_lines(path)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,7 +234,7 @@ def merge_steps(
                 merged.conversations.setdefault(conv, c.prompt_id)
                 lines.setdefault(conv, {}).setdefault(step, []).append(_StepLine(line, box, c))
             else:
-                merged.conversations.setdefault(conv, str(json.loads(line).get("prompt_id", "?")))
+                merged.conversations.setdefault(conv, str(json_row(line, where).get("prompt_id", "?")))
                 reject_lines.setdefault(conv, {}).setdefault(step, []).append((line, box))
     kept = 0
     for conv in order:
@@ -247,7 +247,7 @@ def merge_steps(
         kept += len(chain)
         if not ended and len(chain) in rejected:
             line, box = rejected[len(chain)][0]
-            merged.rejects[_request_key(line, "")] = line
+            merged.rejects[_request_key(line, box)] = line
             merged.rows_by_box[box] += 1
             kept += 1
         if settled:
@@ -363,7 +363,7 @@ class ShardExchange:
         data = self.store.get_bytes(self.prompts_key(shard_id))
         if hashlib.sha256(data).hexdigest() != entry.sha256:
             raise ShardExchangeError(f"{self.store.uri(self.prompts_key(shard_id))} does not match the plan")
-        write_lines(path, data.decode("utf-8").splitlines())
+        write_lines(path, (line.text for line in lines_of(data, self.store.uri(self.prompts_key(shard_id)))))
         self._fetch_render_cache(shard_id, path)
         return path
 
@@ -450,9 +450,9 @@ class ShardExchange:
         for kind in _KINDS:
             out[kind] = []
             for key in sorted(o.key for o in self.store.list(self.parts_prefix(shard_id, kind))):
-                for line in self.store.get_bytes(key).decode("utf-8").splitlines():
-                    if line.strip():
-                        out[kind].append((self.store.uri(key), _part_box(key), line))
+                uri = self.store.uri(key)
+                for line in lines_of(self.store.get_bytes(key), uri):
+                    out[kind].append((f"{uri}:{line.lineno}", _part_box(key), line.text))
         return out
 
     def read_rows(self, shard_id: int) -> ShardRows:
@@ -490,8 +490,8 @@ class ShardExchange:
         if self.turns == "every":
             parts = self._part_rows(shard_id)
             merged = merge_steps(
-                [*parts["completions"], *((str(completions_path), "", line) for line in _local_rows(completions_path))],
-                [*parts["rejects"], *((str(rejects_path), "", line) for line in _local_rows(rejects_path))],
+                [*parts["completions"], *_local_rows(completions_path)],
+                [*parts["rejects"], *_local_rows(rejects_path)],
                 self.enable_thinking,
             )
             write_lines(completions_path, merged.completions.values())
@@ -502,8 +502,8 @@ class ShardExchange:
         remote = self.read_rows(shard_id)
         for kind, path in (("completions", completions_path), ("rejects", rejects_path)):
             rows = dict(remote.completions if kind == "completions" else remote.rejects)
-            for line in _local_rows(path):
-                request = _request_key(line, str(path))
+            for where, _, line in _local_rows(path):
+                request = _request_key(line, where)
                 if request not in remote.completions and request not in rows:
                     rows[request] = line
             if kind == "rejects":
@@ -664,7 +664,8 @@ class CheckpointSync:
             "completions": layout.shard_completions(lease.shard_id),
             "rejects": layout.shard_rejects(lease.shard_id),
         }
-        self.offsets = dict.fromkeys(_KINDS, 0)
+        self.tails = {kind: CheckpointTail(path) for kind, path in self.paths.items()}
+        self._pending: dict[str, list[CheckpointLine]] = {kind: [] for kind in _KINDS}  # read, not yet uploaded
         self.seq = 0
         self.uploaded_rows = 0
         self.error: BaseException | None = None
@@ -695,18 +696,12 @@ class CheckpointSync:
         with self._lock:
             sent = 0
             for kind, path in self.paths.items():
-                if not path.exists():
-                    continue
-                with open(path, "rb") as f:
-                    f.seek(self.offsets[kind])
-                    data = f.read()
-                end = data.rfind(b"\n") + 1  # a line still being written waits for the next call
-                if end == 0:
-                    continue
+                pending = self._pending[kind]
+                pending += self.tails[kind].read()  # a line still being written waits for the next call
                 lines = []
-                for line in data[:end].decode("utf-8").splitlines():
-                    if line.strip() and (request := _request_key(line, str(path))) not in self.known:
-                        lines.append(line)
+                for line in pending:
+                    if (request := _request_key(line.text, f"{path}:{line.lineno}")) not in self.known:
+                        lines.append(line.text)
                         self.known.add(request)
                 if lines:
                     self.seq += 1
@@ -716,6 +711,6 @@ class CheckpointSync:
                         self.known.difference_update(_request_key(line, str(path)) for line in lines)
                         raise
                     sent += len(lines)
-                self.offsets[kind] += end
+                pending.clear()
             self.uploaded_rows += sent
             return sent

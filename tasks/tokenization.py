@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, Field
 
 from datagen.chat import ChatTokenizer, TemplateError
-from datagen.checkpoint import read_lines
+from datagen.checkpoint import CheckpointError, read_lines
 from datagen.conversation_export import (
     ConversationWriter,
     assistant_turn,
@@ -446,11 +446,12 @@ def _reject_batch(rejects: list[Reject]) -> pa.RecordBatch:
 
 def _read_rejects(path: Path) -> Iterator[Reject]:
     for line in read_lines(path):
+        row = line.row(path)  # CheckpointError (file:line) when the line is not JSON
         try:
-            yield Reject.from_json(line.text)
+            yield Reject(**row)
         except (ValueError, TypeError) as exc:
             # A reject file we cannot read would lose rejects silently: stop instead.
-            raise ValueError(f"{path}:{line.lineno}: not a Reject row: {exc}") from exc
+            raise CheckpointError(f"{path}:{line.lineno}: not a Reject row: {exc}") from exc
 
 
 def _batches(paths: Iterable[Path], size: int) -> Iterator[list[tuple[Path, int, Completion | MalformedRecord]]]:

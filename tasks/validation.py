@@ -159,7 +159,7 @@ def count_reject_reasons(paths: list[Path]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for path in paths:
         for line in read_lines(path):
-            r = Reject.from_json(line.text)
+            r = Reject(**line.row(path))  # CheckpointError (file:line) when the line is not JSON
             key = f"{r.stage}/{r.reason}"
             counts[key] = counts.get(key, 0) + 1
     return counts

@@ -4,7 +4,8 @@ Everything runs as the users run it: `infra/prefect-server.sh run` (basic auth w
 protection, CORS limited to the UI's origin, loopback; PREFECT_HOME in a temp dir, PREFECT_SERVER_API_PORT on a
 free port, set before start so the UI points at the right API), `infra/deploy.sh` (work pool with datagen's base
 job template + `prefect deploy --all --no-prompt` from the repo root) and `infra/prefect-worker.sh`
-(`prefect worker start`, stopped with SIGINT). Every client gets the auth string as PREFECT_API_AUTH_STRING.
+(`python -m datagen.worker`, datagen's process worker, stopped with SIGINT; it runs what deploy.sh pinned in
+the server's `pin_file`). Every client gets the auth string as PREFECT_API_AUTH_STRING.
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ __all__ = [
     "TERMINAL_STATES",
     "PrefectApi",
     "PrefectAuth",
+    "PrefectProxy",
     "PrefectServer",
     "RetryingTransport",
     "free_port",
     "new_auth_string",
+    "prefect_proxy",
     "prefect_server",
     "prefect_worker",
     "run_deploy",
@@ -154,12 +157,22 @@ class PrefectServer:
         """The PREFECT_API_URL clients and workers use."""
         return f"{self.url}/api"
 
+    @property
+    def pin_file(self) -> Path:
+        """The box's pin (`datagen pin`), written by infra/deploy.sh, read by the worker: one per server."""
+        return self.home.parent / "box-pin" / "pin.json"
+
     def client_env(self, home: Path, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """Environment for a CLI or worker process talking to this server."""
         home.mkdir(parents=True, exist_ok=True)
         env = _base_env()
         env.update(
-            {"PREFECT_API_URL": self.api_url, "PREFECT_HOME": str(home), "PREFECT_API_AUTH_STRING": self.auth_string}
+            {
+                "PREFECT_API_URL": self.api_url,
+                "PREFECT_HOME": str(home),
+                "PREFECT_API_AUTH_STRING": self.auth_string,
+                "DATAGEN_PIN_FILE": str(self.pin_file),
+            }
         )
         env.update(extra or {})
         return env
@@ -483,3 +496,84 @@ class PrefectApi:
             if text in logs or time.monotonic() > deadline:
                 return logs
             time.sleep(1.0)
+
+
+@dataclass
+class PrefectProxy:
+    """A running `infra/prefect-proxy.sh run` (nginx) in front of a server, with its state directory."""
+
+    port: int
+    state: Path
+    process: subprocess.Popen[bytes]
+
+    @property
+    def api_url(self) -> str:
+        """The PREFECT_API_URL of clients that go through the proxy."""
+        return f"http://127.0.0.1:{self.port}/api"
+
+    @property
+    def url(self) -> str:
+        """Base URL of the UI through the proxy."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def add_user(self, name: str, role: str) -> str:
+        """`prefect-proxy.sh add-user NAME ROLE`; the new `name:password` credential."""
+        env = {**_base_env(), "DATAGEN_PROXY_DIR": str(self.state)}
+        subprocess.run(
+            ["bash", str(REPO_ROOT / "infra" / "prefect-proxy.sh"), "add-user", name, role],
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
+        return (self.state / "credentials" / name).read_text().strip()
+
+    def api(self, credential: str) -> PrefectApi:
+        """A REST client through the proxy with this credential."""
+        return PrefectApi(self.api_url, credential)
+
+    def client_env(self, server: PrefectServer, home: Path, credential: str) -> dict[str, str]:
+        """A CLI or worker environment that reaches `server` through this proxy with `credential`."""
+        return server.client_env(home, {"PREFECT_API_URL": self.api_url, "PREFECT_API_AUTH_STRING": credential})
+
+
+@contextmanager
+def prefect_proxy(server: PrefectServer, state_dir: Path, port: int | None = None) -> Iterator[PrefectProxy]:
+    """Run `infra/prefect-proxy.sh run` (nginx on `port`, else a free loopback port) in front of `server`.
+
+    A server whose UI is opened through the proxy is started with DATAGEN_PROXY_URL naming this port.
+    """
+    state_dir.mkdir(parents=True, exist_ok=True)
+    wanted = port
+    for attempt in range(3):
+        port = wanted or free_port()
+        env = {
+            **_base_env(),
+            "DATAGEN_PROXY_DIR": str(state_dir / "proxy"),
+            "DATAGEN_PROXY_LISTEN": f"127.0.0.1:{port}",
+            "DATAGEN_PROXY_UPSTREAM": f"127.0.0.1:{server.port}",
+            "PREFECT_SERVER_API_AUTH_STRING": server.auth_string,
+        }
+        log_path = state_dir / "proxy.log"
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(
+                ["bash", str(REPO_ROOT / "infra" / "prefect-proxy.sh"), "run"],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + 30
+        while proc.poll() is None and time.monotonic() < deadline:
+            with suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.2)
+        if proc.poll() is None:
+            break
+        if attempt == 2 or wanted or "in use" not in _tail(log_path, 20):
+            raise RuntimeError(f"prefect-proxy.sh exited with {proc.returncode}:\n{_tail(log_path, 20)}")
+    try:
+        yield PrefectProxy(port=port, state=state_dir / "proxy", process=proc)
+    finally:
+        stop_process(proc, signal.SIGQUIT)

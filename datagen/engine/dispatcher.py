@@ -404,6 +404,7 @@ class Dispatcher:
             return False
         except EngineError as exc:
             server.state, server.last_error = "down", str(exc)
+            self._update_queue_limit()  # no longer "starting": its seeded share of the queue goes with it
             logger.warning("server %s not available: %s", server.name, exc)
             return False
         server.capacity = capacity

@@ -43,6 +43,7 @@ import httpx
 from pydantic import SecretStr
 
 from datagen.endpoints import ServerEndpoint
+from datagen.engine.memory_plan import LoggedPools, MemoryPlan, pool_shortfall
 from datagen.layout import RunLayout
 from datagen.paths import private_dir, private_file
 from datagen.redact import redact_lines, redact_text
@@ -54,6 +55,7 @@ __all__ = [
     "ATTACH_HEALTH_TIMEOUT_S",
     "LOG_TAIL_LINES",
     "STOP_GRACE_S",
+    "PoolShortError",
     "PortInUseError",
     "ServerFleet",
     "ServerStartError",
@@ -77,6 +79,7 @@ STOP_GRACE_S = 30.0  # SIGTERM -> SIGKILL; SGLang's own shutdown kills its sched
 LOG_TAIL_LINES = 30
 ATTACH_HEALTH_TIMEOUT_S = 60.0  # attached servers should already be up; don't wait half an hour for a typo
 _POLL_S = 0.25
+_POOL_LOG_WAIT_S = 10.0  # after /health answers, how long the scheduler's pool lines may take to reach the log
 _HEALTH_TIMEOUT_S = 25.0  # SGLang's /health handler may poll its scheduler for up to 20 s
 _MASK = "***"
 _FLEETS_DIR = "fleets"  # under Settings.work_dir: what each live fleet started (reap_orphaned_servers)
@@ -103,6 +106,10 @@ class ServerStartError(RuntimeError):
         errors = [line.strip() for line in self.tail if "error" in line.lower()]
         last = (errors or [line.strip() for line in self.tail if line.strip()] or [""])[-1]
         return f"server {self.name} {self.reason}" + (f": {last}" if last else "")
+
+
+class PoolShortError(ServerStartError):
+    """A server's pools (its log) are short of the memory plan's prediction, also after one recalibrated relaunch."""
 
 
 class PortInUseError(ServerStartError):
@@ -405,6 +412,11 @@ class _Server:
     endpoint: ServerEndpoint | None = None
     ready_at: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    nccl_port: int | None = None
+    log_offset: int = 0  # where this launch's lines start in log_path (restarts append)
+    plan: MemoryPlan | None = None  # the memory plan this server was launched with (PoolCheck)
+    pools: LoggedPools | None = None  # what the engine logged it allocated, once checked
+    recalibrated: bool = False  # relaunched once with the plan recalibrated from an engine log
 
 
 # --- teardown on exit and signals ------------------------------------------------------------------
@@ -561,6 +573,8 @@ class ServerFleet(Sequence[ServerEndpoint]):
         attach_timeout_s: float = ATTACH_HEALTH_TIMEOUT_S,
         plan_args: Sequence[str] = (),
         server_plan_args: Sequence[Sequence[str]] | None = None,
+        memory_plan: MemoryPlan | None = None,
+        pool_tolerance: float = 0.02,
     ) -> None:
         # Base port 0: the fleet picks free ports itself, and picks again at start() if one was taken since.
         self._auto_ports = settings.base_port == 0 and not settings.server_urls
@@ -572,6 +586,13 @@ class ServerFleet(Sequence[ServerEndpoint]):
         self._api_key = api_key
         self.stop_grace_s = stop_grace_s
         self.attach_timeout_s = attach_timeout_s
+        # The pool check (issue 37): after a launched server is healthy, the pools its log reports are compared
+        # with `memory_plan`'s prediction; short ones relaunch it once with the plan recalibrated from that log,
+        # and fail with both sets of numbers if the relaunch is short too. Its flags are `plan_args` then.
+        self.memory_plan = memory_plan
+        self.pool_tolerance = pool_tolerance
+        if memory_plan is not None and not plan_args:
+            plan_args = memory_plan.plan_args
         self.plan_args = list(plan_args)
         # One flag list per server (a pilot's side-by-side trial of candidate plans), else plan_args for all.
         if server_plan_args is not None and len(server_plan_args) != settings.num_servers:
@@ -604,6 +625,8 @@ class ServerFleet(Sequence[ServerEndpoint]):
         """One server per GPU on base_port + i, each with its own NCCL port outside the serving ports."""
         serving = range(settings.base_port, settings.base_port + settings.num_servers)
         nccl_ports = free_ports_below_ephemeral(settings.num_servers, exclude=serving)
+        # Per-server trial arms (server_plan_args) are compared by the pilot itself, not against one prediction.
+        plan = self.memory_plan if self.server_plan_args is None else None
         return [
             _Server(
                 name=f"gpu{i}",
@@ -612,6 +635,8 @@ class ServerFleet(Sequence[ServerEndpoint]):
                 argv=server_command(settings, self.spec, i, self._key_config, nccl_ports[i], self._plan_args_of(i)),
                 env=server_env(i),
                 log_path=self.layout.logs_dir / f"server-{i}.log",
+                nccl_port=nccl_ports[i],
+                plan=plan,
             )
             for i in range(settings.num_servers)
         ]
@@ -780,6 +805,7 @@ class ServerFleet(Sequence[ServerEndpoint]):
         logger.info("%s %s: %s (log %s)", note, server.name, shown, log_path)
         server.endpoint = None
         server.log_file = log_file
+        server.log_offset = log_file.tell()
         server.proc = subprocess.Popen(
             server.argv,
             stdin=subprocess.DEVNULL,
@@ -840,6 +866,80 @@ class ServerFleet(Sequence[ServerEndpoint]):
             raise first
 
     def _wait_ready(self, server: _Server, timeout_s: float, abort: threading.Event) -> None:
+        self._wait_healthy(server, timeout_s, abort)
+        if server.plan is not None and server.plan.launched is not None:
+            self._check_pools(server, timeout_s, abort)
+
+    def _logged_pools(self, server: _Server) -> LoggedPools | None:
+        """The pools this launch of `server` logged (its lines after log_offset); None if the log has none."""
+        if server.log_path is None:
+            return None
+        deadline = time.monotonic() + _POOL_LOG_WAIT_S
+        while True:
+            try:
+                with open(server.log_path, "rb") as f:
+                    f.seek(server.log_offset)
+                    text = f.read().decode("utf-8", "replace")
+            except OSError:
+                text = ""
+            logged = LoggedPools.parse(text)
+            if logged is not None or time.monotonic() > deadline:
+                return logged
+            time.sleep(_POLL_S)
+
+    def _check_pools(self, server: _Server, timeout_s: float, abort: threading.Event) -> None:
+        """The engine's logged pools against the plan; one relaunch with the plan recalibrated from them if short."""
+        plan = server.plan
+        assert plan is not None and plan.launched is not None
+        logged = self._logged_pools(server)
+        if logged is None:
+            logger.warning("server %s: no memory pool lines in its log; the plan's pools are not checked", server.name)
+            return
+        server.pools = logged
+        short = pool_shortfall(plan.launched, logged, self.pool_tolerance)
+        if short is None:
+            logger.info("server %s pools as planned: %s", server.name, logged.describe())
+            return
+        launched_args = [*self._plan_args_of(server.index), *self.spec.server_args]
+        if server.recalibrated or plan.model is None:
+            # Already relaunched with a recalibrated plan (or nothing to recalibrate from): fail with the numbers.
+            raise PoolShortError(
+                server.name,
+                f"memory pools short of the plan ({short}); the engine logged {logged.describe()}; "
+                f"flags {' '.join(launched_args) or '(defaults)'}",
+                server.log_path,
+                [],
+            )
+        with self._launch_lock:
+            # The first server to fall short recalibrates the fleet's plan; later restarts and the other servers
+            # use the new flags. A server that finds it recalibrated already takes it as it is.
+            if self.memory_plan is plan:
+                try:
+                    self.memory_plan = plan.recalibrated(logged, launched_args)
+                except ValueError as exc:
+                    raise PoolShortError(
+                        server.name, f"memory pools short of the plan ({short}); no recalibrated plan: {exc}", None, []
+                    ) from exc
+                self.plan_args = list(self.memory_plan.plan_args)
+            new = self.memory_plan
+        assert new is not None
+        logger.warning(
+            "server %s: %s; relaunching with the plan recalibrated from the engine's log: %s",
+            server.name,
+            short,
+            " ".join(new.plan_args) or "(defaults)",
+        )
+        server.recalibrated = True
+        server.plan = new
+        server.argv = server_command(
+            self.settings, self.spec, server.index, self._key_config, server.nccl_port, new.plan_args
+        )
+        self._stop_server(server)
+        self._launch(server, note="relaunching (recalibrated memory plan)")
+        self._wait_healthy(server, timeout_s, abort)
+        self._check_pools(server, timeout_s, abort)
+
+    def _wait_healthy(self, server: _Server, timeout_s: float, abort: threading.Event) -> None:
         parts = urlsplit(server.url)
         host, port = parts.hostname or "127.0.0.1", parts.port or 80
         deadline = time.monotonic() + timeout_s

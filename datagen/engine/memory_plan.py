@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -30,25 +31,30 @@ from typing import Any, ClassVar, Literal, NoReturn
 
 __all__ = [
     "CUDA_CONTEXT_BYTES",
+    "ENGINE_MEMORY",
     "NUMERICS_FLAGS",
     "PLAN_FLAGS",
     "Candidate",
     "EngineFlags",
     "GpuMemory",
+    "LoggedPools",
     "MemoryPlan",
     "ModelShape",
     "PrefixReuse",
     "PromptTokens",
     "Sizing",
     "Turns",
+    "calibrated_gpu",
     "card_bandwidth",
     "card_prefill_flops",
     "choose_prefix_reuse",
     "decode_roofline",
     "expected_context",
+    "for_engine",
     "is_hybrid_gdn",
     "numerics_flags",
     "plan_memory",
+    "pool_shortfall",
     "prefix_reuse_for_turns",
     "sglang_mem_fraction_static",
     "sglang_sizing",
@@ -197,17 +203,48 @@ def weights_bytes(path: Path) -> int | None:
 
 @dataclass(frozen=True)
 class GpuMemory:
-    """One server's GPU as probed, and what loading the weights takes from it."""
+    """One server's GPU as probed, and what loading the weights takes from it.
+
+    `engine_reserved_bytes`: GPU memory the engine takes before it measures what is free for the model (SGLang
+    0.5.17's CUDA IPC pool for multimodal features, `SGLANG_MM_FEATURE_CACHE_MB`, 1 GiB by default: seen on a
+    lent H100, issue 37). `vlm_cache_in_pools`: whether the engine charges its multimodal embedding cache
+    (`SGLANG_VLM_CACHE_SIZE_MB`) to the pools (0.5.23 does; 0.5.17 does not). `measured_pre_model_load_bytes`:
+    the engine's own figure from a server's log (`calibrated_gpu`), which replaces the estimate from the probe.
+    """
 
     total_bytes: int
     free_bytes: int  # before the server starts (the probe's free memory)
     weights_bytes: int
     bandwidth_bytes_per_s: float | None = None  # for the decode roofline; None: not known for this card
+    engine_reserved_bytes: int = 0
+    vlm_cache_in_pools: bool = True
+    measured_pre_model_load_bytes: int | None = None
 
     @property
     def pre_model_load_bytes(self) -> int:
-        """What SGLang measures as free before loading (`pre_model_load_memory`)."""
-        return self.free_bytes - CUDA_CONTEXT_BYTES
+        """What SGLang measures as free before loading (`pre_model_load_memory`): measured, else estimated."""
+        if self.measured_pre_model_load_bytes is not None:
+            return self.measured_pre_model_load_bytes
+        return self.free_bytes - CUDA_CONTEXT_BYTES - self.engine_reserved_bytes
+
+
+# The engines the plan knows, by what they take from the pools (`GpuMemory` fields): the project's target 0.5.23,
+# and 0.5.17 (the newest release that runs on the lent machines' torch 2.11; issue 37).
+SGLANG_MM_FEATURE_CACHE_BYTES = 1024 * _MIB
+ENGINE_MEMORY: dict[str, dict[str, Any]] = {
+    "0.5.23": {"engine_reserved_bytes": 0, "vlm_cache_in_pools": True},
+    "0.5.17": {"engine_reserved_bytes": SGLANG_MM_FEATURE_CACHE_BYTES, "vlm_cache_in_pools": False},
+}
+
+
+def for_engine(gpu: GpuMemory, version: str, *, multimodal: bool = True) -> GpuMemory:
+    """`gpu` with what SGLang `version` reserves (ENGINE_MEMORY); a text-only model gets no multimodal pool."""
+    if version not in ENGINE_MEMORY:
+        raise ValueError(f"no memory profile for SGLang {version!r} (known: {', '.join(sorted(ENGINE_MEMORY))})")
+    profile = dict(ENGINE_MEMORY[version])
+    if not multimodal:
+        profile["engine_reserved_bytes"] = 0
+    return replace(gpu, **profile)
 
 
 # Memory bandwidth of cards we plan for (datasheets), by a substring of the name the driver reports.
@@ -391,7 +428,7 @@ def sglang_sizing(model: ModelShape, gpu: GpuMemory, flags: EngineFlags) -> Sizi
     pre_gib = gpu.pre_model_load_bytes / _GIB
     available_gib = (gpu.pre_model_load_bytes - gpu.weights_bytes) / _GIB
     rest = available_gib - pre_gib * (1 - fraction)
-    if model.vision_hidden_size is not None:
+    if model.vision_hidden_size is not None and gpu.vlm_cache_in_pools:
         rest -= _VLM_CACHE_BYTES / _MIB / 1024
     per_slot = model.state_bytes_per_slot
     ratio = flags.slots_per_request
@@ -425,6 +462,102 @@ def sglang_sizing(model: ModelShape, gpu: GpuMemory, flags: EngineFlags) -> Sizi
         max_running_requests=min(cap, state_cap),
         capped_by_state_pool=state_cap < cap,
     )
+
+
+# --- what the engine says it allocated (its log), and the plan recalibrated from it -------------------------
+
+_GB = re.compile(r"([0-9]+(?:\.[0-9]+)?) GB")
+_LOGGED = {
+    "pre_load": re.compile(r"Load weight begin\. avail mem=([0-9.]+) GB"),
+    "post_load": re.compile(r"Load weight end\..*?avail mem=([0-9.]+) GB"),
+    "fraction": re.compile(r"mem_fraction_static'?[=:] ?([0-9.]+)"),
+    "tokens": re.compile(r"max_total_num_tokens=(\d+)"),
+    "running": re.compile(r"max_total_num_tokens=\d+.*?max_running_requests=(\d+)"),
+    "slots": re.compile(r"max_mamba_cache_size: (\d+)"),
+}
+
+
+@dataclass(frozen=True)
+class LoggedPools:
+    """The pools one SGLang server sized, as its startup log prints them (0.5.17 and 0.5.23 write the same lines).
+
+    `pre_model_load_bytes` / `post_model_load_bytes`: free GPU memory before and after the weights ("Load weight
+    begin/end ... avail mem=X GB", GiB to two decimals, so +-5 MiB); `mem_fraction_static` from the
+    `server_args` line; `max_mamba_cache_size` (state slots, None for a model without state) from "Mamba Cache is
+    allocated"; `max_total_num_tokens` and `max_running_requests` from the scheduler's summary line.
+    """
+
+    pre_model_load_bytes: int
+    post_model_load_bytes: int
+    mem_fraction_static: float
+    max_total_num_tokens: int
+    max_running_requests: int
+    max_mamba_cache_size: int | None
+
+    ROUNDING_BYTES: ClassVar[int] = 5 * _MIB  # "%.2f GB" of GiB
+
+    @classmethod
+    def parse(cls, text: str) -> LoggedPools | None:
+        """The pools of the last server start in `text` (a log); None until the scheduler's summary line is there."""
+        found: dict[str, str] = {}
+        for key, pattern in _LOGGED.items():
+            matches = pattern.findall(text)
+            if matches:
+                found[key] = matches[-1]
+        if not {"pre_load", "post_load", "fraction", "tokens", "running"} <= found.keys():
+            return None
+        return cls(
+            pre_model_load_bytes=round(float(found["pre_load"]) * _GIB),
+            post_model_load_bytes=round(float(found["post_load"]) * _GIB),
+            mem_fraction_static=float(found["fraction"]),
+            max_total_num_tokens=int(found["tokens"]),
+            max_running_requests=int(found["running"]),
+            max_mamba_cache_size=int(found["slots"]) if "slots" in found else None,
+        )
+
+    def describe(self) -> str:
+        """The figures in one line, as the engine gave them."""
+        slots = f"{self.max_mamba_cache_size} state slots, " if self.max_mamba_cache_size is not None else ""
+        return (
+            f"{slots}{self.max_total_num_tokens:,} KV tokens, {self.max_running_requests} running requests at most "
+            f"(mem_fraction_static {self.mem_fraction_static:g}; {self.pre_model_load_bytes / _GIB:.2f} GiB free "
+            f"before the weights, {self.post_model_load_bytes / _GIB:.2f} GiB after)"
+        )
+
+
+def calibrated_gpu(model: ModelShape, gpu: GpuMemory, flags: EngineFlags, logged: LoggedPools) -> GpuMemory:
+    """`gpu` with the engine's own memory figures, from the log of a server launched with `flags`.
+
+    The pools come from the free memory SGLang profiles after the weights (A) and its memory before them (P):
+    KV = A - P (1 - fraction) - state pool - [VLM cache]. P is logged ("Load weight begin"); A is solved from
+    the logged KV pool and state slots (the "Load weight end" figure is A before the last small allocations), so
+    sizing these flags again gives exactly the logged pools, and other flags are sized from the same memory.
+    Weights become P - A: everything resident before the pools.
+    """
+    pre = logged.pre_model_load_bytes
+    slots = logged.max_mamba_cache_size
+    state = (slots + 1) * model.state_bytes_per_slot if slots is not None else 0
+    vlm = _VLM_CACHE_BYTES if model.vision_hidden_size is not None and gpu.vlm_cache_in_pools else 0
+    # Half a KV token above the floor: the middle of the interval that int() maps to the logged count.
+    kv = logged.max_total_num_tokens * model.kv_bytes_per_token + model.kv_bytes_per_token // 2
+    available = kv + state + vlm + pre * (1 - logged.mem_fraction_static)
+    weights = pre - round(available)
+    return replace(gpu, measured_pre_model_load_bytes=pre, weights_bytes=weights)
+
+
+def pool_shortfall(expected: Sizing, logged: LoggedPools, tolerance: float = 0.02) -> str | None:
+    """Why the engine's pools fall short of the plan's prediction (KV tokens or running requests), or None."""
+    short: list[str] = []
+    if logged.max_total_num_tokens < expected.max_total_num_tokens * (1 - tolerance):
+        short.append(
+            f"KV pool {logged.max_total_num_tokens:,} tokens where the plan predicted {expected.max_total_num_tokens:,}"
+        )
+    if logged.max_running_requests < expected.max_running_requests:
+        short.append(
+            f"{logged.max_running_requests} running requests at most where the plan predicted "
+            f"{expected.max_running_requests}"
+        )
+    return "; ".join(short) if short else None
 
 
 @dataclass(frozen=True)
@@ -594,6 +727,23 @@ class MemoryPlan:
     roofline_tokens_per_s: float | None = None
     candidate_args: dict[str, list[str]] = field(default_factory=dict)  # each candidate's flags as launched
     kept_by_trial: str | None = None  # why, when a pilot's side-by-side trial chose the candidate
+    # What the plan was computed from, so it can be computed again from the engine's own memory (`recalibrated`).
+    model: ModelShape | None = None
+    gpu: GpuMemory | None = None
+    inputs: dict[str, Any] = field(default_factory=dict)
+
+    def recalibrated(self, logged: LoggedPools, launched_args: Sequence[str]) -> MemoryPlan:
+        """This plan again, from the memory a server launched with `launched_args` logged (`calibrated_gpu`).
+
+        The new plan's predictions for any flags then use what the engine really had, so the pools it chooses
+        are the ones the engine will allocate.
+        """
+        if self.model is None or self.gpu is None:
+            raise ValueError("this plan does not record the model and GPU it was computed from")
+        gpu = calibrated_gpu(self.model, self.gpu, EngineFlags.from_args(launched_args), logged)
+        plan = plan_memory(self.model, gpu, self.context_tokens, context_source=self.context_source, **self.inputs)
+        plan.reasons.append(f"recalibrated from the engine's log: {logged.describe()}")
+        return plan
 
     def args_for(self, candidate: Candidate) -> list[str]:
         """The flags the launcher would add to run `candidate` (the spec's explicit flags left out)."""
@@ -694,6 +844,7 @@ def plan_memory(
     """
     if context_tokens <= 0:
         raise ValueError(f"context_tokens must be positive, got {context_tokens}")
+    prefix_reuse_given = prefix_reuse is not None
     base = EngineFlags.from_args(server_args)
     if base.speculative_algorithm:
         raise ValueError("no memory plan with speculative decoding (set --max-running-requests yourself)")
@@ -811,6 +962,18 @@ def plan_memory(
         reasons=reasons,
         candidate_args={c.name: _launch_args(c, gpu, server_args)[1] for c in candidates},
         kept_by_trial=(prefer_why or prefer) if prefer is not None else None,
+        model=model,
+        gpu=gpu,
+        inputs={
+            "server_args": list(server_args),
+            "prefix_reuse": prefix_reuse if prefix_reuse_given else None,
+            "turns": turns,
+            "turns_per_conversation": turns_per_conversation,
+            "output_tokens": output_tokens,
+            "longest_request_tokens": longest_request_tokens,
+            "prefer": prefer,
+            "prefer_why": prefer_why,
+        },
     )
     plan.roofline_tokens_per_s = decode_roofline(
         model, gpu, plan.launched.concurrency(context_tokens) if plan.launched else 0, context_tokens

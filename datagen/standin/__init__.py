@@ -29,6 +29,10 @@ Environment knobs (all optional; defaults keep tests fast):
                                         code in tests/conformance/test_memory_plan_conformance.py) instead
                                         of MAX_RUNNING / MAX_TOTAL_TOKENS
     DATAGEN_STANDIN_WEIGHTS_BYTES       weights loaded on that GPU (54714000000: Qwen3.6-27B BF16, estimate)
+    DATAGEN_STANDIN_ENGINE_RESERVED_BYTES  memory the emulated engine takes before it measures what is free for
+                                        the model (0; 1073741824 acts as SGLang 0.5.17's CUDA IPC multimodal
+                                        pool, issue 37): the pools shrink, the plan's prediction does not, and
+                                        the launcher's pool check relaunches with a recalibrated plan
     DATAGEN_STANDIN_STEP_BASE_MS        fixed cost of one single-token decode step, ms (0)
     DATAGEN_STANDIN_STEP_PER_REQ_MS     extra cost per running request per single-token step, ms (0)
     DATAGEN_STANDIN_TIME_SCALE          multiplies all step times (1.0)

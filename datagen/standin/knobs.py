@@ -32,6 +32,7 @@ class Knobs:
     max_total_tokens: int = 1_048_576
     gpu_memory_bytes: int | None = None
     weights_bytes: int = 54_714_000_000
+    engine_reserved_bytes: int = 0
     step_base_ms: float = 0.0
     step_per_req_ms: float = 0.0
     time_scale: float = 1.0
@@ -79,6 +80,7 @@ class Knobs:
             max_total_tokens=num("MAX_TOTAL_TOKENS", int, d.max_total_tokens, 16),
             gpu_memory_bytes=opt_int("GPU_MEMORY_BYTES"),
             weights_bytes=num("WEIGHTS_BYTES", int, d.weights_bytes, 0),
+            engine_reserved_bytes=num("ENGINE_RESERVED_BYTES", int, d.engine_reserved_bytes, 0),
             step_base_ms=num("STEP_BASE_MS", float, d.step_base_ms, 0),
             step_per_req_ms=num("STEP_PER_REQ_MS", float, d.step_per_req_ms, 0),
             time_scale=num("TIME_SCALE", float, d.time_scale, 0),

@@ -17,6 +17,8 @@ from typing import Any
 from datagen.engine.memory_plan import EngineFlags, GpuMemory, ModelShape, Sizing, is_hybrid_gdn, sglang_sizing
 from datagen.standin.knobs import KnobError, Knobs
 
+_GIB = 1 << 30
+
 __all__ = ["check_gpu_arch", "resolve_args", "serve"]
 
 logger = logging.getLogger("datagen.standin")
@@ -137,8 +139,20 @@ def _emulated_sizing(args: argparse.Namespace, config: dict[str, Any], knobs: Kn
         cuda_graph_max_bs_decode=args.cuda_graph_max_bs_decode,
         chunked_prefill_size=args.chunked_prefill_size,
     )
-    gpu = GpuMemory(knobs.gpu_memory_bytes, knobs.gpu_memory_bytes, knobs.weights_bytes)
-    return sglang_sizing(ModelShape.from_config(config, mamba_ssm_dtype=args.mamba_ssm_dtype), gpu, flags)
+    return sglang_sizing(
+        ModelShape.from_config(config, mamba_ssm_dtype=args.mamba_ssm_dtype), _emulated_gpu(knobs), flags
+    )
+
+
+def _emulated_gpu(knobs: Knobs) -> GpuMemory:
+    """The emulated card (DATAGEN_STANDIN_GPU_MEMORY_BYTES), with the engine's own reservation taken first."""
+    assert knobs.gpu_memory_bytes is not None
+    return GpuMemory(
+        knobs.gpu_memory_bytes,
+        knobs.gpu_memory_bytes,
+        knobs.weights_bytes,
+        engine_reserved_bytes=knobs.engine_reserved_bytes,
+    )
 
 
 def _read_config(model_path: Path) -> dict[str, Any]:
@@ -185,7 +199,12 @@ def serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
         logger.error("Received sigquit from a child process. It usually means the child failed.")
         return 1
     started = time.monotonic()
-    logger.info("Load weight begin. avail mem=94.50 GB")
+    # Free memory before and after the weights, as SGLang logs them: the emulated card's when one is set (the
+    # launcher's pool check reads them), else fixed figures.
+    emulated = _emulated_gpu(knobs) if knobs.gpu_memory_bytes is not None else None
+    pre_gib = emulated.pre_model_load_bytes / _GIB if emulated is not None else 94.50
+    weights_gib = emulated.weights_bytes / _GIB if emulated is not None else 52.40
+    logger.info("Load weight begin. avail mem=%.2f GB", pre_gib)
     try:
         from datagen.chat import ChatTokenizer
 
@@ -199,7 +218,12 @@ def serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
     # The port stays closed while "loading", like SGLang before its schedulers report ready.
     time.sleep(max(0.0, knobs.load_s - (time.monotonic() - started)))
     arch = (config.get("architectures") or ["?"])[0]
-    logger.info("Load weight end. type=%s, dtype=torch.bfloat16, avail mem=42.10 GB, mem usage=52.40 GB.", arch)
+    logger.info(
+        "Load weight end. type=%s, dtype=torch.bfloat16, avail mem=%.2f GB, mem usage=%.2f GB.",
+        arch,
+        pre_gib - weights_gib,
+        weights_gib,
+    )
     return asyncio.run(_serve_http(args, knobs, config, tokenizer, model, resolved, launch))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
 import sys
 import time
@@ -55,3 +56,28 @@ def test_listener_logs_only_posts_with_its_token(listener: tuple[str, Path]) -> 
     assert bad.status_code == 400
     lines = log.read_text().splitlines()
     assert len(lines) == 1 and lines[0].endswith(" expand run-1 ended Failed | failing task: generate")
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600
+
+
+def test_the_alert_log_and_its_folder_are_private(tmp_path: Path) -> None:
+    state = tmp_path / "laptop"
+    state.mkdir(mode=0o755)
+    old_log = state / alert_log.LOG_NAME
+    old_log.write_text("an older version's line\n")
+    old_log.chmod(0o644)
+    proc = subprocess.Popen([sys.executable, "-m", "datagen.alert_log", "serve", "--state-dir", str(state)])
+    try:
+        port_file = state / "alert-log.port"
+        deadline = time.monotonic() + 60
+        while not (port_file.is_file() and port_file.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the listener did not start"
+            time.sleep(0.05)
+        assert stat.S_IMODE(state.stat().st_mode) == 0o700
+        token = (state / "alert-log.token").read_text()
+        url = f"http://127.0.0.1:{port_file.read_text()}/"
+        ok = httpx.post(url, json={"text": "t"}, headers={"Authorization": f"Bearer {token}"})
+        assert ok.status_code == 204
+        assert stat.S_IMODE(old_log.stat().st_mode) == 0o600
+    finally:
+        proc.terminate()
+        proc.wait(30)

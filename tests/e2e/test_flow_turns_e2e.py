@@ -178,3 +178,71 @@ def test_every_turn_pilot_measures_conversations_and_the_main_run_reuses_their_s
     keys = Counter(json.loads(line)["request_key"] for line in main_steps)
     assert set(keys.values()) == {1}
     assert report["conversations"]["steps"] == len(main_steps)
+
+
+def _conversation(*users: str) -> dict[str, Any]:
+    messages: list[dict[str, str]] = []
+    for i, user in enumerate(users):
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": f"Recorded answer {i}."}]
+    return {"messages": messages}
+
+
+def test_every_turn_at_temperature_0_keeps_conversations_that_open_the_same_way(
+    prefect_api: None, pipeline_env: dict[str, str], local_s3: LocalS3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Issue 35.4: a deterministic server answers a shared opening identically, duplicate_completion cut the second
+    # conversation at turn 0 and its distinct later turns were lost as earlier_turn_rejected, while the lineage still
+    # counted it complete.
+    monkeypatch.setenv("DATAGEN_STANDIN_LENGTH_MAX", "300")  # no truncation: every turn ends by itself
+    monkeypatch.setenv("DATAGEN_STANDIN_TOOL_CALL_RATE", "0")
+    source = tmp_path / "openings.jsonl"
+    opening, second = "Plan a three-day trip to Lisbon.", "Now make it cheaper."
+    conversations = [
+        _conversation(opening, second, "Add a day trip to Sintra."),
+        _conversation(opening, "Make it a family trip with two kids.", "Which museums suit them?"),  # shares turn 0
+        _conversation(opening, second, "Swap the hotel for a hostel."),  # shares turns 0 and 1
+        _conversation(opening, second, "Add a day trip to Sintra.", "And a fado evening?"),  # shares 0, 1, 2
+        _conversation("Explain how tides work.", "And why there are two a day?"),
+    ]
+    source.write_text("".join(json.dumps(c) + "\n" for c in conversations), encoding="utf-8")
+    spec = RunSpec(
+        sources=[PromptSource(path=str(source))],
+        model_path=str(ensure_model_dir()),
+        namespace="openings_v1",
+        turns="every",
+        shard_size=8,
+        context_length=8192,
+        sampling=SamplingSpec(max_new_tokens=1024, temperature=0.0),
+        quality_gate=QualityGate(min_median_completion_tokens=8, max_category_share=1.0, max_source_share=1.0),
+    )
+    summary = expand_dataset(spec)
+
+    store = ObjectStore.from_settings(local_s3.settings(s3_prefix=pipeline_env["DATAGEN_S3_PREFIX"]))
+    local = _published(store, "openings_v1", Path(pipeline_env["DATAGEN_WORK_DIR"]) / "dl")
+    rows = pq.read_table(sorted((local / "data").glob("*.parquet"))).to_pylist()
+    rejects = [r for f in sorted((local / "rejects").glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
+    lines = [
+        json.loads(line)
+        for f in sorted((local / "conversations").glob("conversations-*.jsonl"))
+        for line in f.read_text(encoding="utf-8").splitlines()
+    ]
+    assert rejects == []
+    # Every user turn of every conversation, exactly once: the rows' (conversation, turn) pairs and their users.
+    by_id = {line["id"]: line for line in lines}
+    assert len(by_id) == len(lines) == len(conversations)
+    published_users = sorted(
+        tuple(m["content"] for m in line["conversations"] if m["role"] == "user") for line in lines
+    )
+    assert published_users == sorted(tuple(m["content"] for m in c["messages"][::2]) for c in conversations)
+    turns = Counter((r["conversation_id"], r["turn_index"]) for r in rows)
+    assert set(turns.values()) == {1}
+    assert sorted(turns) == sorted((i, t) for i, line in by_id.items() for t in range(len(line["conversations"]) // 2))
+    # The shared openings were answered identically (what a temperature-0 server does), and kept in each.
+    answers = Counter(line["conversations"][1]["content"] for line in lines)
+    assert answers.most_common(1)[0][1] == 4
+    # The lineage counts what was published.
+    manifest = json.loads((local / "manifest.json").read_text())
+    counts = manifest["lineage"]["conversations"]
+    assert counts["published"] == len(lines) and counts["published_user_turns"] == len(rows) == 15
+    assert counts["conversations_by_outcome"] == {"complete": len(conversations)}
+    assert summary["rows"] == 15

@@ -2,7 +2,8 @@
 
 Before, the preparation turn went to whichever worker was waiting: a higher shard that got there first filled the
 servers, and the late shard's requests (in a long-first plan, the longest) waited a whole generation for a slot.
-Real stand-in server over HTTP; the late start is forced by slowing shard 0's checkpoint read.
+Real stand-in server over HTTP; the late start is forced by slowing shard 0's checkpoint read. Both turn modes:
+the reservation is the shard driver's, not one mode's (single-turn prompts: a conversation of one step each).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 
 import tasks.generation as generation
+import tasks.generation_turns as generation_turns
 from datagen.chat import ChatTokenizer
 from datagen.engine.dispatcher import Dispatcher, GenerateJob
 from datagen.identity import prompt_id_from_messages
@@ -29,10 +31,13 @@ PER_SHARD = 6
 KNOBS = {"DATAGEN_STANDIN_LOAD_S": "0.1", "DATAGEN_STANDIN_WARMUP_S": "0.1", "DATAGEN_STANDIN_LENGTH_MEAN": "20"}
 
 
-def test_a_late_shard_worker_still_sends_before_higher_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("turns", ["last", "every"])
+def test_a_late_shard_worker_still_sends_before_higher_shards(
+    turns: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model_dir = ensure_model_dir()
     chat = ChatTokenizer.from_model_dir(model_dir)
-    spec = RunSpec(model_path=str(model_dir), sampling=SamplingSpec(max_new_tokens=32), turns="last")
+    spec = RunSpec(model_path=str(model_dir), sampling=SamplingSpec(max_new_tokens=32), turns=turns)
     layout = RunLayout(tmp_path / "run")
     for shard in (0, 1):
         path = layout.shard_prompts(shard)
@@ -43,16 +48,18 @@ def test_a_late_shard_worker_still_sends_before_higher_shards(tmp_path: Path, mo
                 f.write(Prompt(prompt_id_from_messages("t", messages), "t", i, messages).to_json() + "\n")
 
     # Shard 0's worker reads its checkpoint slowly (a large one), so shard 1's worker reaches the turn first.
+    # (`last` reads it with settled_keys, `every` with read_ledger.)
     reading = threading.Event()
-    settled_keys = generation.settled_keys
+    module, name = (generation, "settled_keys") if turns == "last" else (generation_turns, "read_ledger")
+    read = getattr(module, name)
 
-    def slow_settled_keys(path: Path, kind: Any) -> set[str]:
+    def slow_read(path: Path, *args: Any) -> Any:
         if path.name.startswith("shard-00000"):
             reading.set()
             time.sleep(1.5)
-        return settled_keys(path, kind)
+        return read(path, *args)
 
-    monkeypatch.setattr(generation, "settled_keys", slow_settled_keys)
+    monkeypatch.setattr(module, name, slow_read)
 
     with (
         run_standin(model_dir, args=("--max-running-requests", "4"), env=KNOBS) as endpoint,
@@ -75,4 +82,11 @@ def test_a_late_shard_worker_still_sends_before_higher_shards(tmp_path: Path, mo
             results = [first.result(timeout=120), second.result(timeout=120)]
 
     assert [r.n_completed for r in results] == [PER_SHARD, PER_SHARD]
-    assert submitted == [(0, i) for i in range(PER_SHARD)] + [(1, i) for i in range(PER_SHARD)]
+    if turns == "last":
+        assert submitted == [(0, i) for i in range(PER_SHARD)] + [(1, i) for i in range(PER_SHARD)]
+    else:
+        # Every turn: the reservation holds until the shard's first step is in the queue; from then on each
+        # shard's share and the work left order the queue (generation_turns.send_order: the shard is at [1]
+        # within its share, at [2] beyond it). Shard 0's first step still goes before any of shard 1's.
+        shards = [order[1] if order[0] == 0 else order[2] for order in submitted]
+        assert shards[0] == 0 and sorted(shards) == [0] * PER_SHARD + [1] * PER_SHARD, submitted

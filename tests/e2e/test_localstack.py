@@ -76,6 +76,12 @@ def test_cli_start_status_stop_keeps_its_secret(tmp_path: Path) -> None:
 
         store = ObjectStore.from_settings(first.settings())
         store.put_if_absent("kept.txt", b"survives a restart")
+        # The bucket's data is this user's alone: every folder 0700 (weed writes some files 0644 itself), and
+        # every file this project writes there 0600.
+        folders = [state, *(p for p in state.rglob("*") if p.is_dir())]
+        assert {str(p): oct(stat.S_IMODE(p.stat().st_mode)) for p in folders if p.stat().st_mode & 0o077} == {}
+        ours = [state / name for name in ("s3.env", "weed.pid", "weed.ports", "weed.log", "security.toml")]
+        assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in ours if p.stat().st_mode & 0o077} == {}
 
         assert _cli("stop", "--state-dir", str(state)).returncode == 0
         assert not localstack.is_running(state)

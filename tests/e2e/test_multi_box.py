@@ -88,13 +88,13 @@ def _kill_marked(marker: str) -> list[int]:
 def _queue_worker(
     server: PrefectServer, root: Path, queue: str, env: Mapping[str, str]
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """`prefect worker start` serving one work queue of the pool (a box's worker, or the control worker)."""
+    """`python -m datagen.worker` serving one work queue of the pool (a box's worker, or the control worker)."""
     home = root / f"{queue}-home"
     full_env = server.client_env(home, {"DATAGEN_HOME": str(REPO_ROOT), "PREFECT_WORKER_QUERY_SECONDS": "1", **env})
     with (root / f"{queue}-worker.log").open("wb") as log:
         proc = subprocess.Popen(
             [
-                *(str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", POOL, "--type", "process"),
+                *(sys.executable, "-m", "datagen.worker", "--pool", POOL),
                 *("--work-queue", queue, "--name", queue, "--limit", "1"),
             ],
             env=full_env,

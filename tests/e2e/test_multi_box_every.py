@@ -1,11 +1,11 @@
 """Two boxes share a `turns: every` run of multi-turn tool-calling conversations; one box dies mid-conversation.
 
 Real processes as in test_multi_box.py (Prefect server, `infra/deploy.sh`, a control worker, one worker per box
-with its own stand-in, the session's local S3 server). The run regenerates the bundled OpenAI and ShareGPT
-tool-calling sets turn by turn. Box b starts first and is SIGKILLed while its uploaded parts hold a conversation
-that has neither ended nor been rejected; box a takes the shard over when the lease lapses and resumes that
-conversation after the last step line box b uploaded. Every step of every conversation is in the parts exactly
-once, every conversation is settled, and the rows are published.
+with its own stand-in, the session's local S3 server). The run regenerates the first rows of the bundled OpenAI
+and ShareGPT tool-calling sets turn by turn. Box b starts first and is SIGKILLed while its uploaded parts hold a
+conversation that has neither ended nor been rejected; box a takes the shard over when the lease lapses and
+resumes that conversation after the last step line box b uploaded. Every step of every conversation is in the
+parts exactly once, every conversation is settled, and the rows are published.
 """
 
 from __future__ import annotations
@@ -35,7 +35,11 @@ from tests.prefect_fixtures import REPO_ROOT, prefect_server, run_deploy, worker
 pytestmark = pytest.mark.slow
 
 NAMESPACE = "multibox_every_v1"
-SOURCES = [str(REPO_ROOT / "data/prompts" / name) for name in ("tool_calls_openai.jsonl", "tool_calls_sharegpt.jsonl")]
+BUNDLED = [REPO_ROOT / "data/prompts" / name for name in ("tool_calls_openai.jsonl", "tool_calls_sharegpt.jsonl")]
+# The first rows of each set hold every shape the takeover must carry (a lone user turn, a system prompt, tool calls
+# with one and two results, a second user turn): 4 shards instead of 9 after the kill. The sets whole are
+# regenerated turn by turn in test_generation_every.py and test_flow_turns_e2e.py.
+ROWS_PER_SOURCE = 6
 SHARD_SIZE = 3
 
 
@@ -43,7 +47,13 @@ def test_two_boxes_regenerate_every_turn_and_a_killed_box_loses_no_step(
     tmp_path_factory: pytest.TempPathFactory, local_s3: LocalS3
 ) -> None:
     root = tmp_path_factory.mktemp("multibox-every")
-    prompts = [p for p in iter_prompts([PromptSource(path=s) for s in SOURCES]) if isinstance(p, Prompt)]
+    sources = []
+    for bundled in BUNDLED:  # same file names: the same source labels as the bundled sets
+        rows = bundled.read_text(encoding="utf-8").splitlines(keepends=True)[:ROWS_PER_SOURCE]
+        (root / bundled.name).write_text("".join(rows), encoding="utf-8")
+        sources.append(str(root / bundled.name))
+    prompts = [p for p in iter_prompts([PromptSource(path=s) for s in sources]) if isinstance(p, Prompt)]
+    assert len(prompts) == 2 * ROWS_PER_SOURCE
     n_shards = -(-len(prompts) // SHARD_SIZE)
     s3_prefix = f"{root.name}/"
     store = ObjectStore.from_settings(local_s3.settings(s3_prefix=s3_prefix))
@@ -87,7 +97,7 @@ def test_two_boxes_regenerate_every_turn_and_a_killed_box_loses_no_step(
         worker_b = stack.enter_context(_queue_worker(server, root, "box-b", box_env("box-b")))
 
         spec: dict[str, Any] = {
-            "sources": [{"path": s} for s in SOURCES],
+            "sources": [{"path": s} for s in sources],
             "model_path": str(ensure_model_dir()),
             "namespace": NAMESPACE,
             "turns": "every",

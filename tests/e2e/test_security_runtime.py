@@ -198,6 +198,15 @@ def test_pilot_names_and_field_names_are_plain_names() -> None:
     assert RunSpec(pilot="p1.v2").pilot == "p1.v2"
 
 
+def test_served_model_name_is_a_name_not_more_arguments() -> None:
+    # The name goes into every server's argv: a flag or a second word there would be read by SGLang's parser.
+    for bad in ("--trust-remote-code", "x --host 0.0.0.0", "-x", "base:lora", "a b", "", "n" * 129, "x\ny", "é"):
+        with pytest.raises(ValidationError, match="served_model_name"):
+            RunSpec(served_model_name=bad)
+    for good in ("qwen3.6-27b", "Qwen/Qwen3.6-27B", "m_1.v2"):
+        assert RunSpec(served_model_name=good).served_model_name == good
+
+
 def test_category_values_are_bounded_plain_labels(tmp_path: Path) -> None:
     f = tmp_path / "cats.jsonl"
     rows = [

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from datagen.chat import ChatTokenizer
+from datagen.checkpoint import CheckpointError
 from datagen.identity import preparer_for
 from datagen.layout import RunLayout
 from datagen.model_fixture import ensure_model_dir
@@ -244,3 +245,33 @@ def test_specs_reject_leases_renewed_too_late_and_bad_box_names() -> None:
         MultiBoxSpec(boxes=["box a"])
     with pytest.raises(ValueError, match="unique"):
         MultiBoxSpec(boxes=["a", "a"])
+
+
+def test_a_row_holding_line_separators_crosses_the_exchange_whole_and_a_corrupt_line_is_named(
+    s3_store: ObjectStore, tmp_path: Path
+) -> None:
+    clock = Clock()
+    a, b = _exchange(s3_store, "box-a", clock), _exchange(s3_store, "box-b", clock)
+    lease = a.try_claim(4)
+    assert lease is not None
+    layout_a = RunLayout(tmp_path / "a")
+    path = layout_a.shard_completions(4)
+    path.parent.mkdir(parents=True)
+    # The checkpoint writes JSON with ensure_ascii=False: U+2028, U+0085 and \x1c reach the file unescaped.
+    odd = json.dumps({"request_key": "k1", "completion_tokens": 2, "text": "a\u2028b\x85c\x1cd"}, ensure_ascii=False)
+    path.write_text(odd + "\n" + _row("k2") + "\n", encoding="utf-8")
+    sync = CheckpointSync(a, lease, layout_a, known_keys=set(), interval_s=60)
+    assert sync.sync_once() == 2
+    rows = b.read_rows(4)
+    assert rows.completions == {"k1": odd, "k2": _row("k2")}
+    known = b.restore_checkpoint(4, RunLayout(tmp_path / "b"))
+    assert known == {"k1", "k2"}
+    assert RunLayout(tmp_path / "b").shard_completions(4).read_text(encoding="utf-8") == odd + "\n" + _row("k2") + "\n"
+
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("{not json\n")
+    with pytest.raises(CheckpointError, match=r"shard-00004\.completions\.jsonl:3: not a JSON object"):
+        sync.sync_once()
+    a.upload_part(4, "completions", [_row("k3"), "[1, 2]"], seq=7)
+    with pytest.raises(CheckpointError, match=r"part-box-a-boxaowner-000007\.jsonl:2: not a JSON object but a list"):
+        b.read_rows(4)

@@ -28,6 +28,7 @@ from tests.prefect_fixtures import (
     PrefectApi,
     PrefectServer,
     free_port,
+    prefect_proxy,
     prefect_server,
     prefect_worker,
     run_deploy,
@@ -64,6 +65,8 @@ PROMPTS = [
 @dataclass
 class UiStack:
     server: PrefectServer
+    ui_url: str  # the proxy's URL: people open the UI there
+    runner_credential: str  # a run-starter's credential (infra/prefect-proxy.sh add-user NAME runner)
     api: PrefectApi
     store: ObjectStore
     worker_log: Path
@@ -97,7 +100,13 @@ def ui_stack(tmp_path_factory: pytest.TempPathFactory, local_s3: LocalS3) -> Ite
     run_spec = root / "run-spec.json"
     run_spec.write_text(json.dumps({"spec": _laptop_spec(prompts, model_dir)}), encoding="utf-8")
     with ExitStack() as stack:
-        server = stack.enter_context(prefect_server(root / "prefect"))
+        # People reach the UI through the proxy, as a runner: the server's UI calls the API through it too.
+        proxy_port = free_port()
+        server = stack.enter_context(
+            prefect_server(root / "prefect", {"DATAGEN_PROXY_URL": f"http://127.0.0.1:{proxy_port}"})
+        )
+        proxy = stack.enter_context(prefect_proxy(server, root / "proxy", proxy_port))
+        runner_credential = proxy.add_user("rui", "runner")
         # As laptop.sh with its local server: failed runs become lines of alerts.log (a listener deploy.sh starts).
         alerts_dir = root / "alerts"
         stack.callback(alert_log.stop, alerts_dir)
@@ -106,11 +115,15 @@ def ui_stack(tmp_path_factory: pytest.TempPathFactory, local_s3: LocalS3) -> Ite
         worker_log = root / "worker.log"
         # Runs started from the UI get no per-run environment: the worker's is theirs.
         env["DATAGEN_BASE_PORT"] = str(free_port())
+        # The worker reaches the server through the proxy with the box credential.
+        env["PREFECT_API_URL"] = proxy.api_url
         stack.enter_context(prefect_worker(server, root / "worker-home", worker_log, env))
         api = server.api()
         stack.callback(api.close)
         yield UiStack(
             server=server,
+            ui_url=proxy.url,
+            runner_credential=runner_credential,
             api=api,
             store=ObjectStore.from_settings(local_s3.settings(s3_prefix=s3_prefix)),
             worker_log=worker_log,
@@ -152,8 +165,8 @@ def test_run_started_from_the_ui_form_completes(ui_stack: UiStack, tmp_path: Pat
         page = browser.new_page()
         try:
             # /ui-settings must name this server's API (PREFECT_SERVER_API_PORT set before start).
-            settings = page.request.get(f"{ui_stack.server.url}/ui-settings").json()
-            assert settings["api_url"] == ui_stack.server.api_url
+            settings = page.request.get(f"{ui_stack.ui_url}/ui-settings").json()
+            assert settings["api_url"] == f"{ui_stack.ui_url}/api"
             assert settings["auth"] == "BASIC" and settings["csrf_enabled"] is True, settings
 
             _log_in(page, ui_stack, f"/v2/deployments/deployment/{deployment['id']}/run")
@@ -226,7 +239,7 @@ def test_run_started_from_the_ui_form_completes(ui_stack: UiStack, tmp_path: Pat
             page.get_by_text("run-report", exact=False).first.wait_for(timeout=30_000)
             page.screenshot(path=str(SCREENSHOTS / "run-artifacts.png"))
             (report,) = [a for a in ui_stack.api.artifacts(flow_run["id"]) if a["key"] == "run-report"]
-            page.goto(f"{ui_stack.server.url}/v2/artifacts/artifact/{report['id']}")
+            page.goto(f"{ui_stack.ui_url}/v2/artifacts/artifact/{report['id']}")
             page.get_by_text("Time per stage").first.wait_for(timeout=30_000)
             page.screenshot(path=str(SCREENSHOTS / "run-report.png"), full_page=True)
         except (AssertionError, PlaywrightTimeout):
@@ -274,7 +287,7 @@ def test_quick_run_of_every_deployment_completes_on_the_laptop_defaults(ui_stack
                 if i == 0:
                     _log_in(page, ui_stack, path)
                 else:
-                    page.goto(f"{ui_stack.server.url}{path}")
+                    page.goto(f"{ui_stack.ui_url}{path}")
                 flow_run = _quick_run(page, ui_stack.api, deployment["id"], before)
                 run = ui_stack.api.wait_for_flow_run(flow_run["id"], RUN_TIMEOUT_S, diagnostics=ui_stack.worker_log)
                 state = run["state"] and run["state"]["message"]
@@ -332,17 +345,17 @@ def _wait_for_alert(log: Path, run_name: str, timeout: float = 120.0) -> str:
 
 
 def _log_in(page: Page, ui_stack: UiStack, path: str) -> None:
-    """Log in as a person does (the UI's login box takes the server's auth string), then open `path`."""
+    """Log in as a person who starts runs does (the UI's login box takes their credential), then open `path`."""
     # The login page itself calls nothing that needs the string. Opening another page first would: its
     # requests answer 401, and the UI forgets the stored string on any 401, even one that lands after the login.
-    page.goto(f"{ui_stack.server.url}/v2/login")
+    page.goto(f"{ui_stack.ui_url}/v2/login")
     box = page.get_by_placeholder("admin:pass")
     box.wait_for(timeout=60_000)
-    box.fill(ui_stack.server.auth_string)
+    box.fill(ui_stack.runner_credential)
     page.get_by_role("button", name="Login", exact=True).click()
     box.wait_for(state="detached", timeout=60_000)
     assert page.evaluate("() => localStorage.getItem('prefect-password')"), "the UI did not keep the auth string"
-    page.goto(f"{ui_stack.server.url}{path}")
+    page.goto(f"{ui_stack.ui_url}{path}")
 
 
 def _wait_for_run_named(api: PrefectApi, deployment_id: str, name: str, timeout: float = 60.0) -> dict[str, Any]:
@@ -390,8 +403,8 @@ def test_failed_run_page_shows_the_failing_task_and_message(ui_stack: UiStack, t
     # Issue 25.5: the laptop had no alert. One line in alerts.log names the run, the failing task and links the run.
     alert = _wait_for_alert(ui_stack.alerts_log, run["name"])
     assert "ended Failed | failing task: check environment" in alert and "engine.attention_backend" in alert, alert
-    assert f"| why, with links: {ui_stack.server.url}/v2/artifacts/artifact/{failure['id']} |" in alert, alert
-    assert alert.rstrip().endswith(f"{ui_stack.server.url}/v2/runs/flow-run/{flow_run_id}"), alert
+    assert f"| why, with links: {ui_stack.ui_url}/v2/artifacts/artifact/{failure['id']} |" in alert, alert
+    assert alert.rstrip().endswith(f"{ui_stack.ui_url}/v2/runs/flow-run/{flow_run_id}"), alert
     print(f"alert line: {alert}")
 
     with sync_playwright() as pw:

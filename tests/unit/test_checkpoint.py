@@ -13,13 +13,24 @@ import pytest
 
 from datagen import report
 from datagen.chat import ChatTokenizer
-from datagen.checkpoint import CheckpointAppender, CheckpointError, read_rows, repair, settled_keys, summarize
+from datagen.checkpoint import (
+    CheckpointAppender,
+    CheckpointError,
+    CheckpointTail,
+    lines_of,
+    read_lines,
+    read_rows,
+    repair,
+    settled_keys,
+    summarize,
+)
 from datagen.identity import RequestKeys, prompt_id_from_messages
 from datagen.layout import RunLayout
 from datagen.model_fixture import ensure_model_dir
 from datagen.quality import ValidationSummary
 from datagen.records import Completion, Message, Prompt, Reject, ToolCall
 from datagen.runspec import PromptSource, RunSpec
+from datagen.turn_stats import StepTail
 from tasks.pilot import PilotPopulation, PilotSpec, import_pilot, project
 from tasks.planning import ShardPlan, plan_shards
 from tasks.selection import SelectionReport
@@ -187,3 +198,48 @@ def test_a_full_disk_names_the_checkpoint_and_what_to_do(tmp_path: Path) -> None
         os.close(full)
     assert raised.value.errno == errno.ENOSPC
     assert str(path) in str(raised.value) and "DATAGEN_WORK_DIR" in str(raised.value), str(raised.value)
+
+
+def test_lines_end_at_a_newline_only_so_a_record_may_hold_line_separators(tmp_path: Path) -> None:
+    # ensure_ascii=False writes these characters raw; str.splitlines would cut the record at each of them.
+    odd = json.dumps({"request_key": "k", "text": "a\u2028b\u2029c\x85d\x1ce\rf"}, ensure_ascii=False)
+    data = (odd + "\n\n" + odd[:9]).encode("utf-8")
+    path = tmp_path / "c.jsonl"
+    path.write_bytes(data)
+    assert [(x.lineno, x.text) for x in read_lines(path)] == [(1, odd)]
+    assert [(x.lineno, x.text) for x in lines_of(data, "s3://b/part.jsonl")] == [(1, odd)]
+    path.write_bytes(b"{}\n\xff\xfe\n")
+    with pytest.raises(CheckpointError, match=r"c\.jsonl:2: not UTF-8"):
+        list(read_lines(path))
+
+
+def test_a_tail_returns_each_committed_line_once_and_waits_for_a_line_in_progress(tmp_path: Path) -> None:
+    path = tmp_path / "c.jsonl"
+    tail = CheckpointTail(path)
+    assert tail.read() == []  # no file yet
+    first, second = completion(0).to_json(), completion(1).to_json()
+    path.write_text(first + "\n\n" + second[:7], encoding="utf-8")
+    assert [(x.lineno, x.offset, x.text) for x in tail.read()] == [(1, 0, first)]
+    assert tail.read() == []  # the line being written waits
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(second[7:] + "\n")
+    (line,) = tail.read()
+    assert (line.lineno, line.offset, line.text) == (3, len(first) + 2, second)
+    assert line.row(path)["request_key"] == "rk-1"
+
+
+def test_the_live_step_count_names_a_corrupt_line_instead_of_skipping_it(tmp_path: Path) -> None:
+    path = tmp_path / "shard-00000.completions.jsonl"
+    path.write_text(completion(0).to_json() + "\n{not json\n", encoding="utf-8")
+    with pytest.raises(CheckpointError, match=r"shard-00000\.completions\.jsonl:2: not a JSON object"):
+        StepTail([path], [], planned=1).poll()
+
+
+def test_a_reject_line_that_is_not_json_is_named_by_every_reject_reader(tmp_path: Path) -> None:
+    rejects = tmp_path / "shard-00000.rejects.jsonl"
+    rejects.write_text(reject(0).to_json() + "\nnot json\n", encoding="utf-8")
+    with pytest.raises(CheckpointError, match=r"rejects\.jsonl:2: not a JSON object"):
+        count_reject_reasons([rejects])
+    tokenizer = StreamingTokenizer(tmp_path / "staging", ChatTokenizer.shared(ensure_model_dir()), True)
+    with pytest.raises(CheckpointError, match=r"rejects\.jsonl:2: not a JSON object"):
+        tokenizer.add_rejects(rejects)

@@ -288,3 +288,91 @@ def test_prompt_with_tools_round_trips_through_its_json_line(tmp_path: Path) -> 
     (p,), _ = load(write_jsonl(tmp_path / "t.jsonl", [OPENAI_ROW]))
     back = Prompt.from_json(p.to_json())
     assert back == p and back.tools == [WEATHER]
+
+
+def _qwen25_row(call_text: str) -> dict[str, Any]:
+    return {
+        "messages": [
+            {"role": "user", "content": "Weather in Oslo for 2 days?"},
+            {"role": "assistant", "content": f"Let me check.\n{call_text}"},
+            {"role": "tool", "content": '{"temp_c": 4}'},
+            {"role": "assistant", "content": "Snow, about 4 C."},
+        ],
+        "tools": [WEATHER],
+    }
+
+
+def test_a_recorded_qwen25_json_call_in_the_content_is_a_call(tmp_path: Path, chat: ChatTokenizer) -> None:
+    # Issue 35.8: the call stayed text, and the tool result after it was refused as bad_tool_turn.
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+    identity = PromptIdentity(Preparer(chat, True, 100_000))
+    (p,), rejects = load(write_jsonl(tmp_path / "t.jsonl", [_qwen25_row(call)]), identity=identity)
+    assert rejects == []
+    assert p.messages[1] == Message(
+        "assistant", "Let me check.", tool_calls=(ToolCall("get_weather", {"city": "Oslo", "days": 2}),)
+    )
+    # The same call given as OpenAI tool_calls loads to the same prompt.
+    openai = _qwen25_row("")
+    openai["messages"][1] = {
+        "role": "assistant",
+        "content": "Let me check.",
+        "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}}
+        ],
+    }
+    (q,), _ = load(write_jsonl(tmp_path / "o.jsonl", [openai]), identity=identity)
+    assert p.input_ids == q.input_ids
+
+
+@pytest.mark.parametrize(
+    ("call_text", "detail"),
+    [
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>', "the call is not JSON"),
+        ('<tool_call>\n{"arguments": {"city": "Oslo"}}\n</tool_call>', "has no function name"),
+        ('<tool_call>\n{"name": "get_weather", "arguments": {}}', "not a JSON call closed by </tool_call>"),
+    ],
+)
+def test_a_broken_qwen25_call_is_a_reject_that_names_the_call(tmp_path: Path, call_text: str, detail: str) -> None:
+    f = write_jsonl(tmp_path / "bad.jsonl", [_qwen25_row(call_text)])
+    _, (r,) = load(f)
+    assert r.reason == "bad_tool_call" and r.location == f"{f}:1"
+    assert "messages[1].content <tool_call> 0" in r.detail and detail in r.detail, r.detail
+
+
+def test_the_same_prompt_in_two_sources_is_planned_once_under_the_first(tmp_path: Path, chat: ChatTokenizer) -> None:
+    # Issue 35.5: the prompt id holds the source label, so one conversation given in OpenAI form in one source and in
+    # ShareGPT form in another was planned (and generated) twice.
+    openai = write_jsonl(
+        tmp_path / "a.jsonl",
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": "Name a prime."},
+                    {"role": "assistant", "content": "7"},
+                    {"role": "user", "content": "And another?"},
+                ]
+            }
+        ],
+    )
+    sharegpt = write_jsonl(
+        tmp_path / "b.jsonl",
+        [
+            {
+                "conversations": [
+                    {"from": "human", "value": "Name a prime."},
+                    {"from": "gpt", "value": "7"},
+                    {"from": "human", "value": "And another?"},
+                ]
+            },
+            {"conversations": [{"from": "human", "value": "Name a square."}]},
+        ],
+    )
+    identity = PromptIdentity(Preparer(chat, True, 100_000))
+    for ident in (identity, None):  # rendered ids (every run) and messages (no model at hand)
+        items = list(iter_prompts([PromptSource(path=str(openai)), PromptSource(path=str(sharegpt))], identity=ident))
+        prompts = [i for i in items if isinstance(i, Prompt)]
+        (dup,) = [i for i in items if isinstance(i, Reject)]
+        assert [(p.source, p.row) for p in prompts] == [("a", 0), ("b", 1)]
+        assert dup.reason == "duplicate_prompt" and dup.source == "b" and dup.location == f"{sharegpt}:1"
+        assert "same prompt as a row of source 'a', planned once under that source" in dup.detail, dup.detail
+        assert dup.prompt_id is not None and dup.prompt_id != prompts[0].prompt_id

@@ -575,6 +575,27 @@ def test_queue_limit_follows_servers_going_down_and_coming_back() -> None:
         assert d.queue_limit == 2 * (2 + 1)
 
 
+def test_a_server_down_at_first_contact_leaves_the_queue_limit_at_once() -> None:
+    fake = FakeServers()
+    fake.healthy["a"] = False  # a answers /health with 503 from the start
+    fake.frozen.update(("a", "b"))  # not contacted yet: each keeps its seeded share until it answers
+    endpoints = [ServerEndpoint(name=n, url=f"http://{n}", max_running_requests=5) for n in ("a", "b")]
+    d = Dispatcher(endpoints, client_factory=fake.factory, queue_depth=1, probe_interval_s=0.05)
+    try:
+        assert d.queue_limit == 2 * (5 + 1)  # before any contact: provisioning's figures for both
+        fake.frozen.discard("a")
+        wait_for(lambda: {s.name: s.state for s in d.stats().servers}["a"] == "down")
+        assert d.queue_limit == 5 + 1  # before: still 12, a round of work held for a server that never came up
+        fake.frozen.clear()
+        assert d.wait_ready(10)
+        assert d.queue_limit == 2 + 1  # b answered with 2 slots; a is still down
+        fake.healthy["a"] = True
+        wait_for(lambda: {s.name: s.state for s in d.stats().servers}["a"] == "up")
+        assert d.queue_limit == 2 * (2 + 1)
+    finally:
+        d.close()
+
+
 def test_a_hung_server_is_marked_down_its_requests_finish_elsewhere_and_a_late_answer_is_dropped() -> None:
     fake = FakeServers()
     sent_to_a = threading.Event()

@@ -58,8 +58,10 @@ def test_a_run_renders_prompt_ids_as_the_old_code_did_and_request_keys_follow() 
     identity = PromptIdentity.for_spec(spec)
     prompt_id, ids = identity("src/a", MESSAGES)
     # The fixture model's template and tokenizer as at that commit; the fingerprint also covers config.json,
-    # which FIXTURE_VERSION 4 (issue 22: Qwen3.6-27B's layer and head numbers) changed: "bf0fe9f17be426b9" before.
-    assert identity.preparer.chat.fingerprint == "7e32886ddcb3c8eb"
+    # which FIXTURE_VERSION 4 (issue 22: Qwen3.6-27B's layer and head numbers) changed ("bf0fe9f17be426b9" before)
+    # and FIXTURE_VERSION 5 (issue 37: rope_parameters and the bfloat16 dtype a real SGLang 0.5.17 needs) changed
+    # again ("7e32886ddcb3c8eb" before). Template and tokenizer are untouched: the prompt id below did not move.
+    assert identity.preparer.chat.fingerprint == "b5dd158ba83f127b"
     assert prompt_id == "710efd17f474af9da7168ba2"
     assert list(ids) == identity.preparer.chat.prompt_ids(MESSAGES)
     chat = identity.preparer.chat

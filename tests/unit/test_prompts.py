@@ -511,7 +511,7 @@ def test_corrupt_parquet_names_the_file(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------------------------- ids and duplicates
 
 
-def test_duplicates_within_a_source_are_rejected_across_sources_kept(tmp_path: Path) -> None:
+def test_duplicates_within_and_across_sources_are_rejected(tmp_path: Path) -> None:
     a = write_jsonl(tmp_path / "a.jsonl", [sg(("human", "same")), sg(("human", "other")), oa(("user", "same"))])
     b = write_jsonl(tmp_path / "b.jsonl", [{"instruction": "same"}])
     items = list(iter_prompts([PromptSource(path=str(a)), PromptSource(path=str(b))]))
@@ -519,14 +519,15 @@ def test_duplicates_within_a_source_are_rejected_across_sources_kept(tmp_path: P
         ("Prompt", "a", 0),
         ("Prompt", "a", 1),
         ("Reject", "a", 2),
-        ("Prompt", "b", 0),
+        ("Reject", "b", 0),  # issue 35.5: the same prompt in another source is one prompt, the first source's
     ]
-    dup = items[2]
-    assert isinstance(dup, Reject) and isinstance(items[0], Prompt) and isinstance(items[3], Prompt)
-    assert dup.reason == "duplicate_prompt"
+    dup, other = items[2], items[3]
+    assert isinstance(dup, Reject) and isinstance(items[0], Prompt) and isinstance(other, Reject)
+    assert dup.reason == other.reason == "duplicate_prompt"
     assert dup.prompt_id == items[0].prompt_id
     assert dup.detail.startswith(f"{a}:3: same prompt as an earlier row of source 'a'")
-    assert items[3].prompt_id != items[0].prompt_id  # different source, different id
+    assert other.detail.startswith(f"{b}:1: same prompt as a row of source 'a', planned once under that source")
+    assert other.prompt_id != items[0].prompt_id  # different source, different id
 
 
 def test_ids_are_stable_across_runs_and_depend_on_source(tmp_path: Path) -> None:

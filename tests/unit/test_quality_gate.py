@@ -178,6 +178,19 @@ def test_load_gate_fails_before_generation_with_reasons_counts_and_file() -> Non
     assert check_load_gate(0, 0, {}, GATE, "/w/r.jsonl").passed  # nothing new to read is not bad input
 
 
+def test_an_expansion_is_judged_on_its_new_rejects_over_the_rows_it_read() -> None:
+    # Issue 35.1: rows skipped as published count in the denominator, old rejects nowhere.
+    grown = check_load_gate(7, 5, {"invalid_json": 2}, GATE, "/w/r.jsonl", n_skipped_published=40, n_old_rejects=11)
+    assert grown.passed
+    assert "2/47 rows rejected at load (7 new rows and 40 published before; 11 rejects published before not " in (
+        grown.checks[-1].message
+    )
+    # Only broken rows are new: not "all rows read were rejected" (the source was published from before).
+    only_bad = check_load_gate(1, 0, {"invalid_json": 1}, GATE, "/w/r.jsonl", n_skipped_published=40)
+    assert only_bad.passed
+    assert not check_load_gate(8, 0, {"invalid_json": 8}, GATE, "/w/r.jsonl", n_skipped_published=30).passed
+
+
 def test_empty_dataset_fails() -> None:
     report = check_quality_gate(ValidationSummary(total=5, rejected=5, reject_reasons={"truncated": 5}), GATE)
     assert not report.passed
