@@ -55,6 +55,7 @@ from datagen.regeneration import (
 )
 from datagen.repetition import word_tokens
 from datagen.runspec import RunSpec
+from tasks.ordering import LengthModel
 from tasks.shard_generation import (
     SUBMIT_POLL_S,
     InFlight,
@@ -194,10 +195,9 @@ def pilot_step_tokens(layout: RunLayout, spec: RunSpec) -> StepTokens | None:
     """
     if spec.pilot is None:
         return None
-    from tasks.ordering import LengthModel  # the pilot's modules build on this one
-    from tasks.pilot import PILOT_JSON
-
-    path = layout.root.parent / spec.pilot / PILOT_JSON  # the pilot is a run beside this one (RunLayout.for_run)
+    # The pilot is a run beside this one (RunLayout.for_run); its projection is tasks.pilot.PILOT_JSON (not imported:
+    # the pilot's modules build on this one).
+    path = layout.root.parent / spec.pilot / "pilot.json"
     try:
         model = LengthModel.model_validate(json.loads(path.read_text(encoding="utf-8"))["length_model"])
     except (OSError, ValueError, KeyError) as exc:  # e.g. a box of a multi-box run, which has no pilot file
