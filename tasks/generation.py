@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+from collections.abc import Callable
 
 from datagen.chat import ChatTokenizer
 from datagen.checkpoint import CheckpointAppender, CheckpointError, settled_keys
@@ -75,11 +76,13 @@ def generate_shard(
     chat: ChatTokenizer,
     spec: RunSpec,
     flush_interval_s: float = 2.0,
+    step_tokens: Callable[[Prompt], float] | None = None,
 ) -> ShardResult:
     """Generate every request of one shard not yet in its checkpoint; return counts and the checksum.
 
     `dispatcher` may be None when the caller knows (`unsettled_requests`) that the checkpoint settles them all.
-    In `turns: every` mode each prompt is a conversation generated step by step (tasks/generation_turns.py).
+    In `turns: every` mode each prompt is a conversation generated step by step (tasks/generation_turns.py);
+    `step_tokens` (e.g. the pilot's length model) ranks its conversations by the work they have left.
     """
     with contextlib.ExitStack() as place:
         if dispatcher is not None:
@@ -87,7 +90,9 @@ def generate_shard(
             # gets to the turn first must not send ahead of it (gate.py).
             place.enter_context(dispatcher.turn.reserved((shard_id,)))
         if spec.turns == "every":
-            return generate_conversations(shard_id, layout, dispatcher, chat, spec, flush_interval_s, place)
+            return generate_conversations(
+                shard_id, layout, dispatcher, chat, spec, flush_interval_s, place, step_tokens
+            )
         return _generate_requests(shard_id, layout, dispatcher, chat, spec, flush_interval_s, place)
 
 

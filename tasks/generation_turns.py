@@ -2,9 +2,16 @@
 
 A shard's prompts are conversations. Step 0 of each is its system messages and first user turn, rendered fresh
 (`datagen.regeneration`; planning's render cache holds the whole row, not this). When a step finishes, its
-checkpoint line is written and the conversation's next step goes to the same `Dispatcher` at once, under the
-conversation's plan position, so it goes ahead of conversations that have not started: no barrier per
+checkpoint line is written and the conversation's next step goes to the same `Dispatcher` at once: no barrier per
 conversation or shard, the servers stay full. A step's request key is `<conversation's request key>:step-N`.
+
+What goes next is ranked by the work a conversation has left (`work_left`: its remaining steps, one per recorded
+assistant step of each user turn, times the expected step length; plan order breaks ties): conversations open,
+and ready steps are sent, most work left first, so the longest chains start early instead of ending the run
+alone (benchmarks/README.md, conversations). A shard keeps its plan-order reservation until its first step is
+in the dispatcher's queue; from then on the rank is global across shards, but a shard holding fewer requests
+than its share (`ShardShares`, datagen/engine/gate.py) goes first in plan order: none is starved, and the
+lowest shards, which the finishing stream waits for, keep advancing.
 
 The checkpoint is the same exactly-once ledger as in `last` mode (datagen.checkpoint), keyed by step: a rerun
 reads it, takes every conversation whose last line carries an `outcome` or that has a reject line as settled,
@@ -18,8 +25,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import heapq
+import itertools
+import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +55,7 @@ from datagen.regeneration import (
 )
 from datagen.repetition import word_tokens
 from datagen.runspec import RunSpec
+from tasks.ordering import LengthModel
 from tasks.shard_generation import (
     SUBMIT_POLL_S,
     InFlight,
@@ -56,7 +67,21 @@ from tasks.shard_generation import (
     shard_result,
 )
 
-__all__ = ["conversation_keys", "generate_conversations", "read_ledger", "step_check", "unsettled_conversations"]
+__all__ = [
+    "StepTokens",
+    "conversation_keys",
+    "expected_steps",
+    "generate_conversations",
+    "pilot_step_tokens",
+    "read_ledger",
+    "send_order",
+    "step_check",
+    "unsettled_conversations",
+]
+
+# A conversation's expected output tokens per step (e.g. the pilot's `LengthModel.predict`); None: each step is 1.
+StepTokens = Callable[[Prompt], float]
+
 
 logger = logging.getLogger("datagen.generation")
 
@@ -153,11 +178,52 @@ def _line_at(path: Path, offset: int, length: int) -> Completion:
         return Completion.from_json(f.read(length).decode("utf-8"))
 
 
+def expected_steps(prompt: Prompt) -> int:
+    """The steps a conversation's regeneration is expected to take: each user turn's recorded steps (at least 1)."""
+    try:
+        script = Script.of(prompt)
+    except Unsendable:
+        return 1  # its first step is rejected when it opens
+    return sum(max(1, len(turn.steps)) for turn in script.turns)
+
+
+def pilot_step_tokens(layout: RunLayout, spec: RunSpec) -> StepTokens | None:
+    """Expected tokens per step from the run's pilot, when its projection is on this box (None: steps count).
+
+    In every-turn mode the pilot's length model predicts a conversation's whole output (tasks/pilot_turns.py),
+    so a step's share is that over the conversation's expected steps.
+    """
+    if spec.pilot is None:
+        return None
+    # The pilot is a run beside this one (RunLayout.for_run); its projection is tasks.pilot.PILOT_JSON (not imported:
+    # the pilot's modules build on this one).
+    path = layout.root.parent / spec.pilot / "pilot.json"
+    try:
+        model = LengthModel.model_validate(json.loads(path.read_text(encoding="utf-8"))["length_model"])
+    except (OSError, ValueError, KeyError) as exc:  # e.g. a box of a multi-box run, which has no pilot file
+        logger.info("ranking conversations by steps left: no pilot length model at %s (%s)", path, exc)
+        return None
+    return lambda p: model.predict(p) / expected_steps(p)
+
+
+def send_order(shard: int, row: int, work: float, held: int, share: int) -> tuple[int, ...]:
+    """A step's place in the dispatcher's queue: within its shard's share, plan order; beyond it, most work first."""
+    if held < share:
+        return (0, shard, -round(work), row)
+    return (1, -round(work), shard, row)
+
+
 @dataclass(frozen=True, slots=True)
 class _Conversation:
     prompt: Prompt
     row: int  # its line in the shard: the plan position of all its steps
     key: str  # its request key; a step's is `<key>:step-N`
+    steps: int = 1  # expected steps (`expected_steps`)
+    step_tokens: float = 1.0  # expected output tokens per step
+
+    def work_left(self, step: int) -> float:
+        """Expected tokens of this step and those after it."""
+        return max(1, self.steps - step) * self.step_tokens
 
 
 class _ShardConversations:
@@ -172,8 +238,10 @@ class _ShardConversations:
         spec: RunSpec,
         flush_interval_s: float,
         place: contextlib.ExitStack,
+        step_tokens: StepTokens | None = None,
     ) -> None:
         self.shard_id = shard_id
+        self.step_tokens = step_tokens if step_tokens is not None else pilot_step_tokens(layout, spec)
         self.place = place  # the shard's reservation of its plan order: closed once every conversation is opened
         self.completions_path, self.rejects_path = layout.shard_completions(shard_id), layout.shard_rejects(shard_id)
         self.prompts_path = layout.shard_prompts(shard_id)
@@ -183,8 +251,9 @@ class _ShardConversations:
         self.flush_interval_s = flush_interval_s
         self.key_of = RequestKeys(spec.sampling, chat)
         self.inflight: InFlight[tuple[_Conversation, Script, StepRequest]] = InFlight()
-        # Next steps of conversations under way: sent before any conversation that has not started.
-        self.ready: collections.deque[tuple[_Conversation, Script, StepRequest]] = collections.deque()
+        # Next steps of conversations under way, most work left first: (rank, arrival, item).
+        self.ready: list[tuple[tuple[float, int], int, tuple[_Conversation, Script, StepRequest]]] = []
+        self._arrivals = itertools.count()
         self.completions: CheckpointAppender  # opened by run(), once the ledger is known to be this shard's
         self.rejects: CheckpointAppender
 
@@ -194,11 +263,15 @@ class _ShardConversations:
         for row, prompt in enumerate(read_prompts(self.prompts_path)):
             key = self.key_of(prompt.prompt_id)
             duplicates += key in conversations
-            conversations.setdefault(key, _Conversation(prompt, row, key))
+            if key not in conversations:
+                per_step = self.step_tokens(prompt) if self.step_tokens is not None else 1.0
+                conversations[key] = _Conversation(prompt, row, key, expected_steps(prompt), max(per_step, 1e-6))
         if duplicates:
             logger.warning("shard %d: %d duplicate prompt ids are generated once", self.shard_id, duplicates)
         ledgers = read_ledger(self.completions_path, self.rejects_path, set(conversations))
         todo = [c for key, c in conversations.items() if key not in ledgers or not ledgers[key].settled]
+        # Most work left first (a resumed conversation counts from its first unwritten step); plan order on ties.
+        todo.sort(key=lambda c: self._rank(c, len(ledgers[c.key].lines) if c.key in ledgers else 0))
         logger.info(
             "shard %d: %d conversations, %d settled in checkpoint (%d step lines), %d to do",
             self.shard_id,
@@ -215,7 +288,9 @@ class _ShardConversations:
         self.rejects = CheckpointAppender(self.rejects_path, self.flush_interval_s)
         try:
             if todo:  # nothing to open: the checkpoint (or a pilot's import) settled every conversation
-                self._generate(iter(todo), ledgers)
+                assert self.dispatcher is not None
+                with self.dispatcher.shares.sending(self.shard_id):
+                    self._generate(collections.deque(todo), ledgers)
         finally:
             self.inflight.cancel()
             self.completions.close()
@@ -227,48 +302,72 @@ class _ShardConversations:
         )
         return self._result(conversations)
 
-    def _generate(self, todo: Iterator[_Conversation], ledgers: dict[str, _Ledger]) -> None:
-        """Send next steps first, then open conversations in plan order, writing results as they come."""
+    @staticmethod
+    def _rank(conv: _Conversation, step: int) -> tuple[float, int]:
+        """Most work left first, then plan order."""
+        return (-conv.work_left(step), conv.row)
+
+    def _rank_of(self, item: tuple[_Conversation, Script, StepRequest]) -> tuple[float, int]:
+        return self._rank(item[0], item[2].step)
+
+    def _generate(self, todo: collections.deque[_Conversation], ledgers: dict[str, _Ledger]) -> None:
+        """Send ready steps and open conversations, most work left first, writing results as they come."""
         dispatcher = self.dispatcher
+        assert dispatcher is not None  # only unsettled conversations get here, and those need servers
         opened: tuple[_Conversation, Script, StepRequest] | None = None  # prepared, waiting for room
+
+        def opening_rank(conv: _Conversation) -> tuple[float, int]:
+            return self._rank(conv, len(ledgers[conv.key].lines) if conv.key in ledgers else 0)
+
         while True:
             self._harvest(0)
-            from_ready = bool(self.ready)
+            best = self.ready[0][0] if self.ready else None
+            if opened is None and todo and (best is None or opening_rank(todo[0]) < best):
+                opened = self._open_next(todo, ledgers)
+                continue  # a rejected opening may have settled others meanwhile: rank again
+            from_ready = bool(self.ready) and (opened is None or (best is not None and best <= self._rank_of(opened)))
             if from_ready:
-                item = self.ready.popleft()
-            else:
-                opened = opened or self._open_next(todo, ledgers)
-                if opened is None:
-                    self.place.close()  # every conversation is open: later shards may go ahead now
-                    if not self.inflight.items:
-                        return
-                    self._harvest(self.flush_interval_s)
-                    continue
+                entry = heapq.heappop(self.ready)
+                item = entry[2]
+            elif opened is not None:
                 item = opened
+            else:
+                self.place.close()  # every conversation is open: later shards may go ahead now
+                if not self.inflight.items:
+                    return
+                self._harvest(self.flush_interval_s)
+                continue
             conv, _, req = item
-            assert dispatcher is not None  # only unsettled conversations get here, and those need servers
+            order = send_order(
+                self.shard_id,
+                conv.row,
+                conv.work_left(req.step),
+                len(self.inflight.items),
+                dispatcher.shares.share(dispatcher.queue_limit),
+            )
             job = GenerateJob(
-                req.prompt_ids,
-                self.sampling,
-                label=f"{conv.prompt.prompt_id}:step-{req.step}",
-                order=(self.shard_id, conv.row),
+                req.prompt_ids, self.sampling, label=f"{conv.prompt.prompt_id}:step-{req.step}", order=order
             )
             try:
                 fut = dispatcher.submit(job, timeout=SUBMIT_POLL_S)
             except SubmitTimeout:
                 if from_ready:
-                    self.ready.appendleft(item)
+                    heapq.heappush(self.ready, entry)
                 continue  # (a prepared opening stays in `opened`)
             if not from_ready:
                 opened = None
             self.inflight.add(fut, item)
+            # Its first step is in the queue: the shard's share keeps it from starving from here on, so later
+            # shards may prepare theirs (the reservation only covers a late start, e.g. a long checkpoint read).
+            self.place.close()
 
     def _open_next(
-        self, todo: Iterator[_Conversation], ledgers: dict[str, _Ledger]
+        self, todo: collections.deque[_Conversation], ledgers: dict[str, _Ledger]
     ) -> tuple[_Conversation, Script, StepRequest] | None:
         """The next conversation's next step (step 0, or where a crash left it); None when none is left."""
         assert self.dispatcher is not None
-        for conv in todo:
+        while todo:
+            conv = todo.popleft()
             with self.dispatcher.turn((self.shard_id, conv.row)):  # prepared in plan order, as the queue lets in
                 ledger = ledgers.get(conv.key)
                 lines = ledger.lines if ledger is not None else []
@@ -331,7 +430,7 @@ class _ShardConversations:
         self.completions.write(step_record(c, req).to_json())
         kill_point("generate.mid-conversation")
         self.dispatcher.add_expected(1)
-        self.ready.append((conv, script, nxt))
+        heapq.heappush(self.ready, (self._rank(conv, nxt.step), next(self._arrivals), (conv, script, nxt)))
 
     def _write_reject(self, conv: _Conversation, step: int, reason: str, detail: str) -> None:
         where = f"conversation {conv.prompt.prompt_id}, step {step}: {detail}"
@@ -355,9 +454,12 @@ def generate_conversations(
     spec: RunSpec,
     flush_interval_s: float,
     place: contextlib.ExitStack,
+    step_tokens: StepTokens | None = None,
 ) -> ShardResult:
     """Generate every conversation of one shard its checkpoint has not settled, each step once; counts in
     `ShardResult` are conversations (`n_prompts`), step lines (`n_completed`) and reject lines (`n_rejected`).
 
-    `place` holds the shard's plan order (generate_shard's reservation) until every conversation is opened."""
-    return _ShardConversations(shard_id, layout, dispatcher, chat, spec, flush_interval_s, place).run()
+    `place` holds the shard's plan order (generate_shard's reservation) until its first step is in the dispatcher's
+    queue. `step_tokens`: each conversation's expected tokens per step, for ranking by work left (None: the run's
+    pilot's length model when its projection is on this box, else each step counts 1)."""
+    return _ShardConversations(shard_id, layout, dispatcher, chat, spec, flush_interval_s, place, step_tokens).run()

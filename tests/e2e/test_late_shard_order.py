@@ -82,4 +82,11 @@ def test_a_late_shard_worker_still_sends_before_higher_shards(
             results = [first.result(timeout=120), second.result(timeout=120)]
 
     assert [r.n_completed for r in results] == [PER_SHARD, PER_SHARD]
-    assert submitted == [(0, i) for i in range(PER_SHARD)] + [(1, i) for i in range(PER_SHARD)]
+    if turns == "last":
+        assert submitted == [(0, i) for i in range(PER_SHARD)] + [(1, i) for i in range(PER_SHARD)]
+    else:
+        # Every turn: the reservation holds until the shard's first step is in the queue; from then on each
+        # shard's share and the work left order the queue (generation_turns.send_order: the shard is at [1]
+        # within its share, at [2] beyond it). Shard 0's first step still goes before any of shard 1's.
+        shards = [order[1] if order[0] == 0 else order[2] for order in submitted]
+        assert shards[0] == 0 and sorted(shards) == [0] * PER_SHARD + [1] * PER_SHARD, submitted

@@ -1,0 +1,338 @@
+"""Every-turn benchmark: conversations through the real shard driver (`turns: every`) against stand-in servers.
+
+    python -m benchmarks.conversations --out conversations.json [--workloads plain tools mixed]
+
+Each workload's conversations go through `tasks.generation.generate_shard` with `turns: every`, many shards
+through one dispatcher, as `benchmarks.generation` does for single requests (its monitor, CPU and memory
+readings are reused). Workloads:
+
+    plain   conversations of 1-5 user turns, no tools
+    tools   tools declared, 1-3 user turns, 0-2 recorded tool rounds per turn (the stand-in calls a declared
+            function with its DATAGEN_STANDIN_TOOL_CALL_RATE; a call where the recording answered in words, or
+            none where it called, ends the conversation, as in a real run)
+    mixed   half single-turn prompts, half plain conversations, shuffled
+
+The bound (`tasks.chains.simulate_chains`) replays the run's own steps, read back from the shards' checkpoints
+(every server uses the same seed, so a step's output depends on its prompt alone), on the stand-in's timing
+model with the same servers and slots, once per scheduling policy. `expected_work_left` knows what a run knows
+before generating: each conversation's recorded steps times the mean step length of a pilot-sized sample (10%
+of the conversations); the shard driver ranks by the same (the stand-in's lengths do not depend on the
+category or the turn, so the mean is one figure). Occupancy (utilization) = output tokens / (wall x the servers'
+full-batch rate); `ratio_to_bound` = bound wall / measured wall, whole run, and steady-state rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from benchmarks.generation import _cpu_s, _Monitor, _phases, _RssSampler, _standin_pid
+from datagen.chat import ChatTokenizer
+from datagen.checkpoint import read_rows
+from datagen.endpoints import ServerEndpoint
+from datagen.engine.dispatcher import Dispatcher
+from datagen.identity import RequestKeys, prompt_id_from_messages
+from datagen.layout import RunLayout
+from datagen.model_fixture import ensure_model_dir
+from datagen.records import Message, Prompt
+from datagen.regeneration import Script, split_step_key
+from datagen.repetition import word_tokens
+from datagen.runspec import RunSpec, SamplingSpec
+from datagen.standin.testing import run_standin
+from tasks.chains import POLICIES, Chain, ChainRun, simulate_chains
+from tasks.generation import generate_shard
+from tasks.generation_turns import expected_steps
+from tasks.pilot import DecodeModel
+
+__all__ = ["main", "workload"]
+
+PILOT_SHARE = 0.10
+WORDS = ("why", "how", "list", "prove", "compare", "sketch", "derive", "outline", "city", "river", "weather")
+
+
+def _tool(name: str, properties: dict[str, Any]) -> dict[str, Any]:
+    schema = {"type": "object", "properties": properties, "required": list(properties)}
+    return {"type": "function", "function": {"name": name, "description": f"{name}.", "parameters": schema}}
+
+
+TOOLS = [_tool("get_weather", {"city": {"type": "string"}, "days": {"type": "integer"}})]
+
+
+def _text(rng: random.Random, n: int, k: int) -> str:
+    return f"Request {n}.{k}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 30))) + "."
+
+
+def _plain(rng: random.Random, n: int, turns: int) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    for k in range(turns):
+        if k:
+            messages.append({"role": "assistant", "content": "A recorded answer, not kept."})
+        messages.append({"role": "user", "content": _text(rng, n, k)})
+    return messages
+
+
+def _with_tools(rng: random.Random, n: int) -> list[dict[str, Any]]:
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": f"City {n}", "days": 2}}}
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a travel assistant."}]
+    turns = rng.randint(1, 3)
+    for k in range(turns):
+        messages.append({"role": "user", "content": _text(rng, n, k)})
+        for _ in range(rng.randint(0, 2)):
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            messages.append({"role": "tool", "content": '{"sky": "rain"}'})
+        if k + 1 < turns:
+            messages.append({"role": "assistant", "content": "A recorded answer, not kept."})
+    return messages
+
+
+def workload(name: str, n: int, seed: int) -> list[Prompt]:
+    """`n` prompts of one workload, in plan (file) order."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        tools = None
+        if name == "plain":
+            messages = _plain(rng, i, rng.randint(1, 5))
+        elif name == "tools":
+            messages, tools = _with_tools(rng, i), TOOLS
+        elif name == "mixed":
+            messages = _plain(rng, i, 1 if rng.random() < 0.5 else rng.randint(2, 5))
+        else:
+            raise ValueError(f"unknown workload {name!r}")
+        pid = prompt_id_from_messages(name, messages, tools)
+        prompts.append(Prompt(pid, name, i, [Message.from_dict(m) for m in messages], tools=tools))
+    return prompts
+
+
+def _chains(
+    layout: RunLayout, shards: int, prompts_by_shard: list[list[Prompt]], spec: RunSpec, chat: ChatTokenizer
+) -> tuple[list[list[int]], list[Prompt]]:
+    """Each conversation's step lengths, from the checkpoints, in plan order (a rejected step has none)."""
+    key_of = RequestKeys(spec.sampling, chat)
+    chains, prompts = [], []
+    for s in range(shards):
+        steps: dict[str, dict[int, int]] = defaultdict(dict)
+        for row in read_rows(layout.shard_completions(s)):
+            split = split_step_key(str(row["request_key"]))
+            assert split is not None
+            steps[split[0]][split[1]] = int(row["completion_tokens"])
+        for p in prompts_by_shard[s]:
+            got = steps.get(key_of(p.prompt_id), {})
+            chains.append([got[k] for k in sorted(got)])
+            prompts.append(p)
+    return chains, prompts
+
+
+def _bounds(
+    chains: list[list[int]], prompts: list[Prompt], servers: int, slots: int, model: DecodeModel, seed: int
+) -> tuple[dict[str, ChainRun], dict[str, Any]]:
+    """The perfect client's run under every policy; `expected_work_left` from a pilot-sized sample's mean step."""
+    sample = random.Random(seed).sample(range(len(chains)), max(1, round(PILOT_SHARE * len(chains))))
+    sampled = [x for i in sample for x in chains[i]]
+    mean_step = sum(sampled) / max(1, len(sampled))
+    built = [
+        Chain(
+            tuple(steps),
+            turns=len(Script.of(p).turns),
+            expected=(mean_step,) * expected_steps(p),
+        )
+        for steps, p in zip(chains, prompts, strict=True)
+    ]
+    runs = {policy: simulate_chains(built, servers, slots, model, policy) for policy in POLICIES}
+    return runs, {"pilot_conversations": len(sample), "pilot_mean_step_tokens": mean_step}
+
+
+def _against(run: dict[str, Any], bound: ChainRun, model: DecodeModel, servers: int, slots: int) -> dict[str, Any]:
+    steady_rate = bound.tokens_at_last_start / max(bound.last_start_s, 1e-9)
+    measured_steady = run["steady_utilization"] * servers * model.tokens_per_s(slots)
+    return {
+        "wall_s": bound.wall_s,
+        "utilization": bound.utilization,
+        "tail_s": bound.wall_s - bound.last_start_s,
+        "ratio_whole_run": bound.wall_s / run["wall_s"],
+        "ratio_steady": measured_steady / steady_rate if bound.last_start_s > 0 else None,
+    }
+
+
+def run_workload(
+    name: str,
+    endpoints: list[ServerEndpoint],
+    chat: ChatTokenizer,
+    work_dir: Path,
+    *,
+    conversations: int,
+    shards: int,
+    workers: int,
+    max_new_tokens: int,
+    ideal: float,
+    model: DecodeModel,
+    slots: int,
+    seed: int,
+) -> dict[str, Any]:
+    """One workload through the real shard driver; its measured figures against the bound of every policy."""
+    layout = RunLayout(work_dir / name)
+    spec = RunSpec(
+        model_path=str(chat.model_dir),
+        sampling=SamplingSpec(max_new_tokens=max_new_tokens),
+        context_length=32768,
+        turns="every",
+    )
+    prompts = workload(name, conversations, seed)
+    per_shard = -(-len(prompts) // shards)
+    by_shard = [prompts[s * per_shard : (s + 1) * per_shard] for s in range(shards)]
+    for s, chunk in enumerate(by_shard):
+        path = layout.shard_prompts(s)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(p.to_json() + "\n" for p in chunk))
+    pids = [_standin_pid(int(ep.url.rsplit(":", 1)[1])) for ep in endpoints]
+    with contextlib.ExitStack() as stack:
+        dispatcher = stack.enter_context(Dispatcher(endpoints, log_interval_s=15.0, stall_timeout_s=300.0))
+        rss = stack.enter_context(_RssSampler())
+        dispatcher.wait_ready(60)
+        monitor = stack.enter_context(_Monitor(endpoints, dispatcher))
+        server_cpu0 = [_cpu_s(p) for p in pids]
+        cpu0, t0 = time.process_time(), time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            results = list(
+                pool.map(
+                    lambda s: generate_shard(s, layout, dispatcher, chat, spec, flush_interval_s=2.0), range(shards)
+                )
+            )
+        wall = time.monotonic() - t0
+        cpu = time.process_time() - cpu0
+        server_cpu = [_cpu_s(p) - c for p, c in zip(pids, server_cpu0, strict=True)]
+        stats = dispatcher.stats()
+    sent = sum(r.n_sent for r in results)
+    tokens = sum(r.output_tokens for r in results)
+    out: dict[str, Any] = {
+        "conversations": sum(r.n_prompts for r in results),
+        "steps": sum(r.n_completed for r in results),
+        "step_rejects": sum(r.n_rejected for r in results),
+        "requests_sent": sent,
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "output_tokens_per_s": tokens / wall,
+        "utilization": tokens / wall / ideal,
+        "client_cpu_ms_per_step": 1000 * cpu / max(1, sent),
+        "client_cpu_share_of_one_core": cpu / wall,
+        "server_cpu_share_of_one_core": [c / wall for c in server_cpu],
+        "peak_rss_mb": rss.peak,
+        "retries": stats.retries,
+        "requeued": stats.requeued,
+    }
+    out |= _phases(monitor.samples, sent, slots, ideal, model)
+    chains, ordered = _chains(layout, shards, by_shard, spec, chat)
+    assert sum(map(sum, chains)) == tokens, "the checkpoints' steps are the run's tokens"
+    out["steps_per_conversation"] = {str(k): sum(len(c) == k for c in chains) for k in range(max(map(len, chains)) + 1)}
+    bounds, pilot = _bounds(chains, ordered, len(endpoints), slots, model, seed)
+    out["pilot"] = pilot
+    out["bound"] = {policy: _against(out, b, model, len(endpoints), slots) for policy, b in bounds.items()}
+    t_first = monitor.samples[0].t
+    out["timeline"] = [
+        [round(x.t - t_first, 2), sum(x.running), sum(x.queued_at_servers), x.dispatcher_queue, round(x.server_tokens)]
+        for x in monitor.samples[:: max(1, len(monitor.samples) // 200)]
+    ]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and write its JSON report."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.conversations")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--workloads", nargs="+", default=["plain", "tools", "mixed"])
+    ap.add_argument("--servers", type=int, default=2)
+    ap.add_argument("--slots", type=int, default=16)
+    ap.add_argument("--conversations", type=int, default=240)
+    ap.add_argument("--shards", type=int, default=8)
+    ap.add_argument("--workers", type=int, default=8, help="shard tasks running at once")
+    ap.add_argument("--length-mean", type=float, default=300)
+    ap.add_argument("--length-max", type=int, default=2000)
+    ap.add_argument("--time-scale", type=float, default=0.2)
+    ap.add_argument("--step-base-ms", type=float, default=20.0)
+    ap.add_argument("--step-per-req-ms", type=float, default=0.2)
+    ap.add_argument("--tokens-per-step", type=int, default=64)
+    ap.add_argument("--tool-call-rate", type=float, default=0.7)
+    ap.add_argument("--seed", type=int, default=7)
+    args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    load_before = os.getloadavg()
+    env = {
+        "DATAGEN_STANDIN_LOAD_S": "0.1",
+        "DATAGEN_STANDIN_WARMUP_S": "0.1",
+        "DATAGEN_STANDIN_LENGTH_MEAN": str(args.length_mean),
+        "DATAGEN_STANDIN_LENGTH_SIGMA": "0.8",
+        "DATAGEN_STANDIN_LENGTH_MAX": str(args.length_max),
+        "DATAGEN_STANDIN_STEP_BASE_MS": str(args.step_base_ms),
+        "DATAGEN_STANDIN_STEP_PER_REQ_MS": str(args.step_per_req_ms),
+        "DATAGEN_STANDIN_TIME_SCALE": str(args.time_scale),
+        "DATAGEN_STANDIN_TOKENS_PER_STEP": str(args.tokens_per_step),
+        "DATAGEN_STANDIN_TOOL_CALL_RATE": str(args.tool_call_rate),
+        "DATAGEN_STANDIN_SEED": "0",
+    }
+    per_server = args.slots * 1000.0 / ((args.step_base_ms + args.step_per_req_ms * args.slots) * args.time_scale)
+    ideal = per_server * args.servers
+    model = DecodeModel(args.step_base_ms * args.time_scale / 1000, args.step_per_req_ms * args.time_scale / 1000)
+    chat = ChatTokenizer.from_model_dir(ensure_model_dir())
+    word_tokens(chat)  # the per-step checks' word table, built once per process: not part of the first run's ramp
+    runs: dict[str, dict[str, Any]] = {}
+    with contextlib.ExitStack() as stack:
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-conv-")))
+        endpoints = [
+            stack.enter_context(
+                run_standin(
+                    chat.model_dir, args=("--max-running-requests", str(args.slots), "--enable-metrics"), env=env
+                )
+            )
+            for _ in range(args.servers)
+        ]
+        for name in args.workloads:
+            runs[name] = run_workload(
+                name,
+                endpoints,
+                chat,
+                work,
+                conversations=args.conversations,
+                shards=args.shards,
+                workers=args.workers,
+                max_new_tokens=args.length_max,
+                ideal=ideal,
+                model=model,
+                slots=args.slots,
+                seed=args.seed,
+            )
+    report = {
+        "config": vars(args) | {"out": str(args.out)},
+        "ideal_tokens_per_s": ideal,
+        "runs": runs,
+        "cpu_count": os.cpu_count(),
+        "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
+    }
+    args.out.write_text(json.dumps(report, indent=2))
+    for name, r in runs.items():
+        print(
+            f"{name}: {r['conversations']} conversations, {r['steps']} steps, {r['output_tokens']} tokens, "
+            f"{r['wall_s']:.1f} s, occupancy {r['utilization']:.3f} (steady {r['steady_utilization']:.3f}, "
+            f"ramp {r['ramp_s']:.1f} s, tail {r['tail_s']:.1f} s), client {r['client_cpu_ms_per_step']:.1f} ms/step"
+        )
+        for policy, b in r["bound"].items():
+            steady = f"{b['ratio_steady']:.3f}" if b["ratio_steady"] is not None else "n/a"
+            print(
+                f"  {policy:28} bound {b['wall_s']:6.1f} s occupancy {b['utilization']:.3f}; "
+                f"measured/bound whole run {b['ratio_whole_run']:.3f}, steady {steady}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
