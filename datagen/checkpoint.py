@@ -7,13 +7,16 @@ Each row carries its `request_key` (datagen.identity): together the two files ar
 the shard's requests. The writer (`CheckpointAppender`) hands every record to the OS as one write of the line
 and its newline, and fsyncs at least every couple of seconds.
 
-Torn-line policy, the same for every reader (generation's ledger, the pilot's import and projection, the
-multi-box exchange, validation, tokenization's reject reader, the run report):
-    A record is committed by its newline. Bytes after the last newline are a write a crash cut short: they
-    are not a record. Readers skip them (with a warning); the writer cuts them off (`repair`) before it
-    appends, so the request they belonged to is simply sent again. A line that has its newline but is not a
-    JSON object is corruption, not a crash: `CheckpointError` names the file and line (validation, whose job
-    is to judge lines, turns it into a `malformed_record` reject instead).
+Torn-line policy, implemented here alone and used by every reader (generation's ledger, the pilot's import
+and projection, the multi-box exchange and its parts, validation, tokenization's reject reader, the run report)
+and every tail-follower (`CheckpointTail`: the live step counts, the multi-box upload of new rows):
+    A record is committed by its newline, b"\n" only (a record's text may hold U+2028 and other characters
+    `str.splitlines` splits at). Bytes after the last newline are a write a crash cut short (to a
+    tail-follower, one still in progress): they are not a record. Readers skip them (with a warning); the
+    writer cuts them off (`repair`) before it appends, so the request they belonged to is simply sent again.
+    A line that has its newline but is not UTF-8 or not a JSON object is corruption, not a crash:
+    `CheckpointError` names the file and line (validation, whose job is to judge lines, turns it into a
+    `malformed_record` reject instead, as it does a JSON line that is not a completion).
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from tasks.shard_generation import (
     Refused,
     ShardResult,
     completion_record,
+    expect,
     generation_reject,
     read_prompts,
     shard_result,
@@ -134,10 +135,7 @@ def _generate_requests(
     logger.info(
         "shard %d: %d requests, %d settled in checkpoint, %d to do", shard_id, len(shard_keys), len(settled), todo
     )
-    if todo:
-        if dispatcher is None:
-            raise RuntimeError(f"shard {shard_id}: {todo} requests to send but no servers were started for it")
-        dispatcher.add_expected(todo)
+    expect(dispatcher, shard_id, todo, "requests")
 
     sampling = sampling_params_for(spec.sampling)
     prepare = preparer_for(spec, chat)

@@ -62,6 +62,7 @@ from tasks.shard_generation import (
     Refused,
     ShardResult,
     completion_record,
+    expect,
     generation_reject,
     read_prompts,
     shard_result,
@@ -280,10 +281,7 @@ class _ShardConversations:
             sum(len(ledger.lines) for ledger in ledgers.values()),
             len(todo),
         )
-        if todo:
-            if self.dispatcher is None:
-                raise RuntimeError(f"shard {self.shard_id}: {len(todo)} conversations to generate but no servers")
-            self.dispatcher.add_expected(len(todo))
+        expect(self.dispatcher, self.shard_id, len(todo), "conversations")
         self.completions = CheckpointAppender(self.completions_path, self.flush_interval_s)
         self.rejects = CheckpointAppender(self.rejects_path, self.flush_interval_s)
         try:

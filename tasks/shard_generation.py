@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.checkpoint import CheckpointError, read_rows, summarize
 from datagen.engine.client import GenerateResult, ProtocolError, RequestRejected
+from datagen.engine.dispatcher import Dispatcher
 from datagen.records import Completion, Prompt, Reject, ToolCall
 from datagen.toolcalls import answer_text, parse_tool_calls
 
@@ -28,6 +29,7 @@ __all__ = [
     "Refused",
     "ShardResult",
     "completion_record",
+    "expect",
     "generation_reject",
     "read_prompts",
     "shard_result",
@@ -193,6 +195,16 @@ class InFlight(Generic[T]):
                 f"shard {shard_id}: {len(self.failures)} of {self.n_sent} {unit} sent got no result; {resumed}. "
                 f"First error: {self.failures[0]}"
             ) from self.failures[0]
+
+
+def expect(dispatcher: Dispatcher | None, shard_id: int, todo: int, unit: str) -> None:
+    """Tell the dispatcher how many `unit` (requests, conversations) the shard will send; RuntimeError when it has
+    work but no servers were started for it (the caller asked `unsettled_requests` and was told otherwise)."""
+    if not todo:
+        return
+    if dispatcher is None:
+        raise RuntimeError(f"shard {shard_id}: {todo} {unit} to generate but no servers were started for it")
+    dispatcher.add_expected(todo)
 
 
 def shard_result(
