@@ -225,3 +225,29 @@ def test_the_fixture_config_has_what_a_real_0_5_17_needs() -> None:
     assert text["rope_parameters"]["rope_theta"] == 10_000_000
     assert text["rope_parameters"]["partial_rotary_factor"] == 0.25
     assert text["dtype"] == text["torch_dtype"] == config["torch_dtype"] == "bfloat16"
+
+
+REAL = Path(__file__).parents[2] / "benchmarks" / "results" / "real-engine-h100-80gb-hbm3"
+
+
+def test_the_real_engines_logs_calibrate_the_plan_to_the_pools_it_allocated(model: ModelShape) -> None:
+    """The logs SGLang 0.5.17 wrote on a lent H100 (2026-12-06): calibrated from the defaults' log, the plan predicts
+    the pools of the server started with the plan's flags, as that server's log gives them."""
+    defaults = LoggedPools.parse((REAL / "defaults.log").read_text(encoding="utf-8"))
+    planned = LoggedPools.parse((REAL / "plan-456.log").read_text(encoding="utf-8"))
+    assert defaults is not None and planned is not None
+    assert (defaults.max_mamba_cache_size, defaults.max_total_num_tokens, defaults.max_running_requests) == (
+        23,
+        65_092,
+        4,
+    )
+    probed = GpuMemory(85_017_493_504, 84_465_090_560, WEIGHTS, 3.35e12)  # torch's total and free there
+    gpu = calibrated_gpu(model, for_engine(probed, "0.5.17"), EngineFlags(), defaults)
+    flags = ["--disable-radix-cache", "--max-running-requests", "41", "--mem-fraction-static", "0.766"]
+    predicted = sglang_sizing(model, gpu, EngineFlags.from_args(flags))
+    assert predicted.max_mamba_cache_size == planned.max_mamba_cache_size == 41
+    assert predicted.max_running_requests == planned.max_running_requests == 41
+    assert abs(predicted.max_total_num_tokens - planned.max_total_num_tokens) <= kv_rounding_bound(model, defaults)
+    assert pool_shortfall(predicted, planned) is None
+    # The probe alone (as for 0.5.23) would have promised more than the engine gave at its defaults.
+    assert pool_shortfall(sglang_sizing(model, probed, EngineFlags()), defaults) is not None
