@@ -21,11 +21,12 @@ class PinnedFacts(BaseModel):
     """The first attempt's facts, as the dataset card and manifest record them."""
 
     run_id: str | None = Field(None, description="Prefect flow run id of the run's first attempt.")
+    run_name: str | None = Field(None, description="Prefect flow run name of the run's first attempt.")
     created_at: str = Field(..., description="ISO timestamp (UTC, seconds) of the first attempt's finish.")
 
 
-def pin_facts(path: Path, run_id: str | None) -> PinnedFacts:
-    """The facts stored at `path`, or these (run_id, now) written there first if there are none yet."""
+def pin_facts(path: Path, run_id: str | None, run_name: str | None = None) -> PinnedFacts:
+    """The facts stored at `path`, or these (run_id, run_name, now) written there first if there are none yet."""
     if path.exists():
         try:
             return PinnedFacts.model_validate_json(path.read_bytes())
@@ -34,7 +35,7 @@ def pin_facts(path: Path, run_id: str | None) -> PinnedFacts:
                 f"{path} is not a pinned-facts file ({exc.error_count()} errors); it fixes the dataset card of "
                 "this run's namespace: restore it, or publish under a new namespace"
             ) from None
-    facts = PinnedFacts(run_id=run_id, created_at=datetime.now(UTC).isoformat(timespec="seconds"))
+    facts = PinnedFacts(run_id=run_id, run_name=run_name, created_at=datetime.now(UTC).isoformat(timespec="seconds"))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:

@@ -277,7 +277,8 @@ def finish_dataset(
         namespace=spec.namespace,
         published_before=skipped[0],
     )
-    pinned = pin_facts(layout.pinned_facts, run_id)
+    ctx = FlowRunContext.get()
+    pinned = pin_facts(layout.pinned_facts, run_id, ctx.flow_run.name if ctx and ctx.flow_run else None)
     # Published with the data: each reject reason's share and example rows, and the gate that passed.
     (layout.staging_dir / validation.REPORT_NAME).write_text(
         validation.render_validation_report(summary, final), encoding="utf-8"
@@ -555,11 +556,13 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
     )
     clock.mark("validation + tokenization")
     turn_counts = _step_tail(plan, layout).poll() if spec.turns == "every" else None
+    first_attempt = pin_facts(layout.pinned_facts, run_id)  # written by finish_dataset
     lineage = {
         "run_spec": spec.model_dump(mode="json"),
-        # Named when another run spec targets this namespace (publishing.refuse_other_run).
-        "run_id": run_id,
-        "run_name": ctx.flow_run.name if ctx and ctx.flow_run else None,
+        # Named when another run spec targets this namespace (publishing.refuse_other_run); the first attempt's,
+        # like the card's, so a re-run publishes the bytes its interrupted attempt claimed.
+        "run_id": first_attempt.run_id,
+        "run_name": first_attempt.run_name,
         "model_path": spec.model_path,
         "model_fingerprint": chat.fingerprint,
         "chat_template_hash": chat.template_hash,

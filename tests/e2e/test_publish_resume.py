@@ -135,8 +135,10 @@ def _as_in(ref: Run, ref_objects: dict[str, bytes], run: Run) -> dict[str, bytes
     """
     ours, theirs = run.facts(), ref.facts()
     pairs = [(theirs.created_at, ours.created_at), (ref.store.uri(), run.store.uri())]
-    if theirs.run_id and ours.run_id:
-        pairs.append((theirs.run_id, ours.run_id))
+    for a, b in ((theirs.run_id, ours.run_id), (theirs.run_name, ours.run_name)):
+        if a and b:
+            pairs.append((a, b))
+            pairs.append((json.dumps(a)[1:-1], json.dumps(b)[1:-1]))  # as the manifest's JSON spells it
     out = dict(ref_objects)
     for key in ("README.md", CLAIM_NAME, MANIFEST_NAME):
         old = out[key]
