@@ -213,9 +213,13 @@ def publish_dataset(
 def published_before(store: ObjectStore, spec: RunSpec, layout: RunLayout) -> dict[str, Any] | None:
     """The summary of a run whose earlier attempt already published it (killed after its manifest), else None.
 
-    Its catalog part is written if it is missing; nothing else is done (no servers, no generation). A namespace
-    another run spec published is refused (PublishError naming that run) before anything is done.
+    Its catalog part is written if it is missing; nothing else is done (no servers, no generation). Staged files
+    are shared by every run of the namespace on this box, so a namespace another run spec published is refused
+    (PublishError naming that run) before they are compared. Without staged files it touches nothing: the
+    environment check is the first to reach S3, and `refuse_other_run` follows it.
     """
+    if not layout.staging_dir.is_dir():
+        return None
     publishing.refuse_other_run(store, spec.namespace, spec.model_dump(mode="json"))
     manifest = publishing.published_as_staged(store, spec.namespace, layout.staging_dir)
     if manifest is None:
@@ -434,6 +438,7 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
     clock = report.StageClock()
 
     env_results = check_environment_task(settings, spec, store)
+    publishing.refuse_other_run(store, spec.namespace, spec.model_dump(mode="json"))  # before any work
     gpu_description = "; ".join(r.detail for r in env_results if r.name.startswith("gpu.") and r.status == "pass")
     ctx = FlowRunContext.get()
     run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else None

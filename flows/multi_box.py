@@ -61,7 +61,7 @@ from flows.expand_dataset import (
     publish_dataset,
     published_before,
 )
-from tasks import generation, generation_turns, planning
+from tasks import generation, generation_turns, planning, publishing
 from tasks.planning import ShardPlan
 from tasks.serving import serving
 from tasks.shard_exchange import CheckpointSync, CollectedShard, Lease, ShardExchange, ShardExchangeError
@@ -398,6 +398,7 @@ def _expand_dataset_multibox(spec: RunSpec, boxes: MultiBoxSpec, dry_run: bool) 
         return done
 
     preflight_task(store, spec.namespace)
+    publishing.refuse_other_run(store, spec.namespace, spec.model_dump(mode="json"))  # before any box starts
     chat = ChatTokenizer.shared(spec.model_path)
     plan = plan_task(spec, layout)
     load_gate_task(plan, spec.quality_gate, layout)  # bad input fails here, before any box starts a server
