@@ -140,14 +140,38 @@ def _as_in(ref: Run, ref_objects: dict[str, bytes], run: Run) -> dict[str, bytes
             pairs.append((a, b))
             pairs.append((json.dumps(a)[1:-1], json.dumps(b)[1:-1]))  # as the manifest's JSON spells it
     out = dict(ref_objects)
+    resized: dict[str, int] = {}  # sha256 of a rewritten object -> its new size (names differ in length)
     for key in ("README.md", CLAIM_NAME, MANIFEST_NAME):
         old = out[key]
         new = old
         for a, b in pairs:
             new = new.replace(a.encode(), b.encode())
+        if resized:  # the claim and the manifest list what came before by sha256 and size: both written as JSON
+            new = _resized(new, resized)
         out[key] = new
         pairs.append((hashlib.sha256(old).hexdigest(), hashlib.sha256(new).hexdigest()))
+        resized[hashlib.sha256(new).hexdigest()] = len(new)
     return out
+
+
+def _resized(body: bytes, sizes: dict[str, int]) -> bytes:
+    """`body` (a JSON document as the publisher writes it) with each listed object's size and the total set anew."""
+    doc = json.loads(body)
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if node.get("sha256") in sizes and "size" in node:
+                node["size"] = sizes[node["sha256"]]
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(doc)
+    if isinstance(doc.get("objects"), list) and "total_bytes" in doc:
+        doc["total_bytes"] = sum(int(o["size"]) for o in doc["objects"])
+    return (json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
 
 
 def _diff(got: dict[str, bytes], want: dict[str, bytes]) -> str:
