@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -50,8 +51,12 @@ CHROMIUM_ARGS = [
     "--disable-quic",
 ]
 RUN_TIMEOUT_S = 300.0  # a hang guard, not a speed requirement
-# The README shows these; the test refreshes them on every run (small viewport PNGs, committed).
-SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
+# The README shows these (small viewport PNGs, committed in docs/screenshots). A run refreshes them only when
+# DATAGEN_SCREENSHOTS names that folder (`DATAGEN_SCREENSHOTS=docs/screenshots`); otherwise they go to a temporary
+# folder, so the suite leaves the checkout clean.
+SCREENSHOTS = Path(
+    os.environ.get("DATAGEN_SCREENSHOTS") or Path(tempfile.gettempdir()) / f"datagen-screenshots-{os.getpid()}"
+)
 # Typed into the form's quality-gate JSON box: a gate the stand-in's completions pass.
 QUALITY_GATE = {"max_reject_rate": 1.0, "max_short_share": 1.0, "min_median_completion_tokens": 0}
 PROMPTS = [
@@ -195,10 +200,13 @@ def test_run_started_from_the_ui_form_completes(ui_stack: UiStack, tmp_path: Pat
             page.get_by_text("Advanced: Validation (Optional)", exact=True).scroll_into_view_if_needed()
             page.screenshot(path=str(SCREENSHOTS / "run-form-advanced.png"))
 
+            filled: dict[str, str] = {}
+
             def fill(label: str, value: str) -> None:
                 box = page.get_by_label(label, exact=True)
                 box.fill(value)
                 assert box.input_value() == value
+                filled[label] = value
 
             def fill_json(label: str, value: dict[str, Any]) -> None:
                 # A JSON box is a code editor: select what it holds and type the new JSON over it.
@@ -218,14 +226,7 @@ def test_run_started_from_the_ui_form_completes(ui_stack: UiStack, tmp_path: Pat
             fill("Advanced: Context Length (Optional)", "8192")
             fill("Advanced: Max Prompt Tokens (Optional)", "6000")  # an optional field of the run spec, set
             fill_json("Advanced: Quality Gate (Optional)", QUALITY_GATE)
-            page.get_by_role("button", name="Submit", exact=True).click()
-
-            # The UI creates the run and shows it in the deployment's Runs tab; open it from there. On a loaded
-            # 2-core machine the UI's request can take a while: wait generously, and show the page if it never comes.
-            try:
-                flow_run = _wait_for_run_named(ui_stack.api, deployment["id"], run_name, timeout=180.0)
-            except AssertionError as exc:
-                raise AssertionError(f"{exc}; page at {page.url} shows:\n{page.inner_text('body')[:3000]}") from None
+            flow_run = _submit_run_form(page, ui_stack.api, deployment["id"], run_name, filled)
             page.get_by_role("link", name=run_name).first.click()
             page.wait_for_url(f"**/runs/flow-run/{flow_run['id']}**", timeout=30_000)
             run = ui_stack.api.wait_for_flow_run(flow_run["id"], RUN_TIMEOUT_S, diagnostics=ui_stack.worker_log)
@@ -356,6 +357,54 @@ def _log_in(page: Page, ui_stack: UiStack, path: str) -> None:
     box.wait_for(state="detached", timeout=60_000)
     assert page.evaluate("() => localStorage.getItem('prefect-password')"), "the UI did not keep the auth string"
     page.goto(f"{ui_stack.ui_url}{path}")
+
+
+def _submit_run_form(page: Page, api: PrefectApi, deployment_id: str, run_name: str, filled: dict[str, str]) -> Any:
+    """Click the run form's Submit and wait for the UI's create_flow_run request and the run it makes.
+
+    The form's own answers are the events waited on: the create request's response (its status and body are shown
+    when it fails), or, when the UI sent none (a click taken while a loaded page redrew), the fields are checked
+    against what was typed, typed again where a redraw reset them, and Submit is clicked once more, as a user would.
+    """
+    api_calls: list[str] = []
+    page.on(
+        "response",
+        lambda r: api_calls.append(f"{r.request.method} {r.url} -> {r.status}") if "/api/" in r.url else None,
+    )
+    console: list[str] = []
+    page.on("console", lambda m: console.append(f"{m.type}: {m.text}") if m.type in ("error", "warning") else None)
+
+    def is_create(response: Any) -> bool:
+        return bool(response.request.method == "POST" and response.url.endswith("/create_flow_run"))
+
+    def diagnostics() -> str:
+        body = page.inner_text("body")
+        return (
+            f"page at {page.url}; API calls since the first Submit (last 30): {api_calls[-30:]};"
+            f" console: {console[-10:]}; the page's end:\n{body[-2500:]}"
+        )
+
+    for attempt in range(2):
+        if attempt:
+            for label, value in filled.items():
+                box = page.get_by_label(label, exact=True)
+                if box.input_value() != value:
+                    box.fill(value)
+        try:
+            with page.expect_response(is_create, timeout=90_000 if attempt == 0 else 180_000) as answer:
+                page.get_by_role("button", name="Submit", exact=True).click()
+        except PlaywrightTimeout:
+            if attempt:
+                raise AssertionError(
+                    f"the UI sent no create_flow_run request after two Submits; {diagnostics()}"
+                ) from None
+            continue
+        response = answer.value
+        assert response.ok, f"create_flow_run answered {response.status}: {response.text()[:2000]}; {diagnostics()}"
+        created = response.json()
+        assert created["name"] == run_name, created["name"]
+        return _wait_for_run_named(api, deployment_id, run_name, timeout=60.0)
+    raise AssertionError("unreachable")
 
 
 def _wait_for_run_named(api: PrefectApi, deployment_id: str, name: str, timeout: float = 60.0) -> dict[str, Any]:
