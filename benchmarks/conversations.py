@@ -50,10 +50,9 @@ from datagen.regeneration import Script, split_step_key
 from datagen.repetition import word_tokens
 from datagen.runspec import RunSpec, SamplingSpec
 from datagen.standin.testing import run_standin
-from tasks.chains import POLICIES, Chain, ChainRun, simulate_chains
+from tasks.chains import POLICIES, Chain, ChainRun, DecodeModel, simulate_chains
 from tasks.generation import generate_shard
 from tasks.generation_turns import expected_steps
-from tasks.pilot import DecodeModel
 
 __all__ = ["main", "workload"]
 

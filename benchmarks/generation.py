@@ -7,8 +7,9 @@ full batch), the client's CPU per request and its memory; then runs 1x and 10x p
 show that memory stays flat (prompts are streamed, not loaded).
 
 Beside utilization it reports the bound: what a perfect, always-full client would reach on the same requests in
-the same order (`tasks.pilot.simulate_slots` over the prompts' true output lengths, the servers' slots and the
-stand-in's own timing model), and `ratio_to_bound` (measured / bound) for the steady state and the whole run.
+the same order (`tasks.chains.simulate_chains`, one-step chains in FIFO order, over the prompts' true output
+lengths, the servers' slots and the stand-in's own timing model), and `ratio_to_bound` (measured / bound) for the
+steady state and the whole run.
 A whole run below the bound is the client's doing, tail included: the bound has the unavoidable tail already.
 
 The same prompts run twice: in file order (FIFO) and long outputs first (the order the pipeline plans after a
@@ -56,9 +57,9 @@ from datagen.standin.knobs import Knobs
 from datagen.standin.synthetic import SyntheticModel
 from datagen.standin.testing import run_standin
 from datagen.storage import sha256_file
+from tasks.chains import Chain, DecodeModel, simulate_chains
 from tasks.generation import generate_shard
 from tasks.ordering import LengthModel, LengthSample, prompt_chars
-from tasks.pilot import DecodeModel, simulate_slots
 
 __all__ = ["main", "run_once"]
 
@@ -212,7 +213,7 @@ def _against_bound(
     run: dict[str, Any], lengths: list[int], model: DecodeModel, servers: int, slots: int
 ) -> dict[str, Any]:
     """The perfect client's figures on the same requests in the same order, and the measured run's ratio to them."""
-    best = simulate_slots(lengths, servers, slots, model)
+    best = simulate_chains([Chain((n,)) for n in lengths], servers, slots, model)  # FIFO, one step each
     steady_rate = best.tokens_at_last_start / max(best.last_start_s, 1e-9)  # every slot busy: the full-batch rate
     measured_steady = run["steady_utilization"] * servers * model.tokens_per_s(slots)
     return {

@@ -11,7 +11,6 @@ template), so importing them makes the main run's generation ledger skip them: n
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import math
@@ -43,6 +42,7 @@ from datagen.quality import ValidationSummary
 from datagen.regeneration import split_step_key
 from datagen.runspec import RunSpec
 from tasks import pilot_turns
+from tasks.chains import DecodeModel, simulate_wall
 from tasks.generation import read_prompts
 from tasks.ordering import LengthModel, LengthSample
 from tasks.planning import ShardPlan, plan_shards
@@ -57,7 +57,6 @@ __all__ = [
     "PilotSpec",
     "Projection",
     "ServerReading",
-    "SlotRun",
     "ThroughputProbe",
     "ThroughputSample",
     "dispatch_order",
@@ -68,7 +67,6 @@ __all__ = [
     "plan_pilot",
     "project",
     "render_projection",
-    "simulate_slots",
     "simulate_wall",
     "write_projection",
 ]
@@ -159,24 +157,6 @@ class ServerReading:
     waiting: int
     generation_tokens: float | None  # sglang:generation_tokens_total; None when only /v1/loads answered
     gen_throughput: float  # the server's own recent tokens/s
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeModel:
-    """Time per decode step (every running request advances one token) as a function of the batch B.
-
-    step_s(B) = step_base_s + step_per_req_s * B, the shape of both SGLang's memory-bound decode and the stand-in's
-    timing model. Per-server throughput at batch B is B / step_s(B); a lone request decodes at 1 / step_s(1).
-    """
-
-    step_base_s: float
-    step_per_req_s: float
-
-    def step_s(self, batch: int) -> float:
-        return self.step_base_s + self.step_per_req_s * batch
-
-    def tokens_per_s(self, batch: int) -> float:
-        return batch / self.step_s(batch)
 
 
 def _parse_prometheus(text: str) -> dict[str, float]:
@@ -390,71 +370,6 @@ class ThroughputProbe:
             "aggregate_tokens_per_s": rate,
             "overhead_s": 0.0,
         }
-
-
-@dataclass(frozen=True, slots=True)
-class SlotRun:
-    """What `simulate_slots` found: the wall time, and when and after how many tokens the last request started."""
-
-    wall_s: float
-    last_start_s: float  # the queue is empty from here on: the tail starts
-    tokens_at_last_start: float
-
-
-def simulate_wall(lengths: Sequence[int], servers: int, slots: int, model: DecodeModel) -> float:
-    """Seconds to decode `lengths` dispatched in this order onto `servers` x `slots`, every slot refilled at once."""
-    return simulate_slots(lengths, servers, slots, model).wall_s
-
-
-def simulate_slots(lengths: Sequence[int], servers: int, slots: int, model: DecodeModel) -> SlotRun:
-    """Decode `lengths` dispatched in this order onto `servers` x `slots`, every slot refilled at once.
-
-    Every server advances all its running requests one token per model.step_s(batch): full batches at the
-    saturated rate, and a drain that speeds up per request as the batch empties. A freed slot takes the next
-    request in order (a long-first order leaves the shortest outputs for the end, so the drain is short).
-    This is what a perfect, always-full client would reach on these requests in this order.
-    """
-    queue = iter(lengths)
-    heaps: list[list[float]] = [[] for _ in range(servers)]  # per server: progress at which each request ends
-    progress = [0.0] * servers  # tokens every request running on the server has advanced since t=0
-    exhausted = False
-    t = tokens = last_start = tokens_at_last_start = 0.0
-
-    def take(k: int) -> bool:
-        """Start the next request on server `k`; False once the queue is exhausted."""
-        nonlocal exhausted, last_start, tokens_at_last_start
-        n = next(queue, None)
-        if n is None:
-            exhausted = True
-            return False
-        last_start, tokens_at_last_start = t, tokens
-        if n > 0:
-            heapq.heappush(heaps[k], progress[k] + n)
-        return True
-
-    def fill(k: int) -> None:
-        while not exhausted and len(heaps[k]) < slots and take(k):
-            pass
-
-    for _ in range(slots):  # round-robin initial fill, as a dispatcher spreads the first requests
-        for k in range(servers):
-            if len(heaps[k]) < slots and not take(k):
-                break
-    for k in range(servers):
-        fill(k)
-    while True:
-        active = [k for k in range(servers) if heaps[k]]
-        if not active:
-            return SlotRun(t, last_start, tokens_at_last_start)
-        dt = min((heaps[k][0] - progress[k]) * model.step_s(len(heaps[k])) for k in active)
-        t += dt
-        for k in active:
-            advanced = dt / model.step_s(len(heaps[k]))
-            progress[k] += advanced
-            tokens += advanced * len(heaps[k])
-            while heaps[k] and heaps[k][0] <= progress[k] + 1e-9:
-                heapq.heappop(heaps[k])
-            fill(k)
 
 
 def expand_population(samples: list[tuple[LengthSample, float]], target: int) -> list[tuple[float, int]]:
