@@ -19,7 +19,7 @@ import random
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -377,12 +377,7 @@ def expand_population(samples: list[tuple[LengthSample, float]], target: int) ->
 
     Largest-remainder rounding keeps the total exact; the caller orders the result.
     """
-    if not samples or target <= 0:
-        return []
-    w = target / len(samples)
-    counts = [int(w)] * len(samples)
-    for i in sorted(range(len(samples)), key=lambda i: -((w * (i + 1)) % 1))[: target - sum(counts)]:
-        counts[i] += 1
+    counts = pilot_turns.repeat_counts(len(samples), target)
     return [(pred, s.output_tokens) for (s, pred), c in zip(samples, counts, strict=True) for _ in range(c)]
 
 
@@ -425,6 +420,9 @@ class Projection(BaseModel):
     )
     conversations: dict[str, Any] | None = Field(
         None, description="Every-turn mode: per step, per user turn and per conversation (tasks.pilot_turns)."
+    )
+    step_model: pilot_turns.StepModel | None = Field(
+        None, description="Every-turn mode: mean step length per category and kind (first turn, later, tool round)."
     )
 
 
@@ -492,38 +490,23 @@ def project(
     pilot_tokens = sum(all_tokens)
 
     length_model = LengthModel.fit(samples)
-    by_src: dict[str, list[tuple[LengthSample, float]]] = defaultdict(list)
-    for smp in samples:
-        by_src[smp.source].append((smp, length_model.predict_features(smp.source, smp.category, smp.prompt_chars)))
-    full_items: list[tuple[float, int]] = []
-    rest_items: list[tuple[float, int]] = []
-    for source, n_pop in pop.items():
-        src_samples = by_src.get(source, [])
-        sampled = len(src_samples) + gen_rejects[source]
-        if not src_samples:
-            continue
-        completing = len(src_samples) / sampled  # generation rejects take no decode time
-        full_items += expand_population(src_samples, round(n_pop * completing))
-        rest = max(0, n_pop - population.sample_by_source.get(source, sampled))
-        rest_items += expand_population(src_samples, round(rest * completing))
-
     rate = float(throughput["aggregate_tokens_per_s"])
     per_server = rate / max(1, int(throughput["servers"]))
     remaining = max(0.0, total_tokens - pilot_tokens)
     walls: dict[str, float] = {}
-    orders: tuple[tuple[str, list[tuple[float, int]], DispatchOrder], ...]
     if "step_base_s" in throughput:
         model = DecodeModel(float(throughput["step_base_s"]), float(throughput["step_per_req_s"]))
         slots = int(throughput["slots_per_server"])
         ramp = float(throughput.get("ramp_s", 0.0))
-        orders = (
-            ("wall_s", full_items, "long_first"),
-            ("wall_s_source", full_items, "source"),
-            ("wall_s_reusing_pilot", rest_items, "long_first"),
-        )
-        for key, items, order in orders:
-            walls[key] = ramp + simulate_wall(dispatch_order(items, order, pilot.seed), servers, slots, model)
-        method = "simulated: server decode model, pilot lengths in dispatch order"
+        if measured.chains is not None:  # every turn: conversations as chains of steps, as the driver ranks them
+            simulated = pilot_turns.chain_walls(
+                measured, pop, population.sample_by_source, length_model, servers, slots, model, pilot.seed
+            )
+            method = "simulated: server decode model, the pilot's conversations as chains, most work left first"
+        else:
+            simulated = _request_walls(samples, gen_rejects, population, length_model, servers, slots, model, pilot)
+            method = "simulated: server decode model, pilot lengths in dispatch order"
+        walls = {key: ramp + s for key, s in simulated.items()}
     else:  # no batch model: tokens at the whole-run rate of the pilot
         walls["wall_s"] = walls["wall_s_source"] = total_tokens / (per_server * servers) if per_server > 0 else math.inf
         walls["wall_s_reusing_pilot"] = remaining / (per_server * servers) if per_server > 0 else math.inf
@@ -564,10 +547,52 @@ def project(
             "dataset_tokens": round(total_row_tokens),
             "dataset_bytes_uncompressed": round(total_row_tokens * BYTES_PER_TOKEN),
         }
-        | ({"steps": round(total_steps)} if measured.conversations is not None else {}),
+        | ({"steps": round(total_steps), "policy": "expected_work_left"} if measured.conversations is not None else {}),
         length_model=length_model,
         conversations=measured.conversations,
+        step_model=pilot_turns.StepModel.fit(measured.step_lengths) if measured.step_lengths else None,
     )
+
+
+def _request_walls(
+    samples: list[LengthSample],
+    gen_rejects: Mapping[str, int],
+    population: PilotPopulation,
+    length_model: LengthModel,
+    servers: int,
+    slots: int,
+    model: DecodeModel,
+    pilot: PilotSpec,
+) -> dict[str, float]:
+    """Simulated seconds of a `last` mode run: the full set (and its part the pilot did not sample) as requests.
+
+    Each source's samples stand for its population (each repeated by its weight; a generation reject takes no
+    decode time), dispatched long-first by the length model's prediction (`wall_s`, `wall_s_reusing_pilot`) or in
+    a seeded shuffle (`wall_s_source`).
+    """
+    by_src: dict[str, list[tuple[LengthSample, float]]] = defaultdict(list)
+    for smp in samples:
+        by_src[smp.source].append((smp, length_model.predict_features(smp.source, smp.category, smp.prompt_chars)))
+    full_items: list[tuple[float, int]] = []
+    rest_items: list[tuple[float, int]] = []
+    for source, n_pop in population.population_by_source.items():
+        src_samples = by_src.get(source, [])
+        sampled = len(src_samples) + gen_rejects.get(source, 0)
+        if not src_samples:
+            continue
+        completing = len(src_samples) / sampled  # generation rejects take no decode time
+        full_items += expand_population(src_samples, round(n_pop * completing))
+        rest = max(0, n_pop - population.sample_by_source.get(source, sampled))
+        rest_items += expand_population(src_samples, round(rest * completing))
+    orders: tuple[tuple[str, list[tuple[float, int]], DispatchOrder], ...] = (
+        ("wall_s", full_items, "long_first"),
+        ("wall_s_source", full_items, "source"),
+        ("wall_s_reusing_pilot", rest_items, "long_first"),
+    )
+    return {
+        key: simulate_wall(dispatch_order(items, order, pilot.seed), servers, slots, model)
+        for key, items, order in orders
+    }
 
 
 def engine_section(pilot_plan: MemoryPlan | None, main_plan: MemoryPlan | None, why: str) -> dict[str, Any]:
@@ -590,6 +615,8 @@ def render_projection(p: Projection) -> str:
     """The pilot report as markdown (the Prefect artifact and pilot.md)."""
     pr, ot, th = p.projection, p.output_tokens, p.throughput
     what, request = ("conversations", "step") if p.conversations else ("prompts", "completion")
+    # Every turn: the plan is long-first, and the driver sends the ready step with the most expected work left.
+    dispatch = "long-first, ready steps by expected work left" if pr.get("policy") else "long-first dispatch"
     lines = [
         f"# Pilot `{p.pilot['name']}`: projection for {p.pilot['population']:,} {what} on {pr['servers']} servers",
         "",
@@ -602,7 +629,7 @@ def render_projection(p: Projection) -> str:
         f"{ot['mean']:,} / {ot['p50']:,} / {ot['p90']:,} / {ot['p99']:,} |",
         f"| throughput per server (measured, {th['method']}) | {th['per_server_tokens_per_s']:,} tok/s |",
         *_engine_rows(p.engine),
-        f"| wall time (long-first dispatch) | {pr['wall_h']:,.3f} h ({pr['wall_s']:,} s) |",
+        f"| wall time ({dispatch}) | {pr['wall_h']:,.3f} h ({pr['wall_s']:,} s) |",
         f"| of which beyond the saturated rate (ramp, drain) | {pr.get('tail_s', 0.0):,} s |",
         # "wall_s_fifo": the key before the order was named as RunSpec.order names it (pilots written then).
         f"| wall time in source order | {pr.get('wall_s_source', pr.get('wall_s_fifo', pr['wall_s'])):,} s |",
