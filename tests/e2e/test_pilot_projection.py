@@ -111,5 +111,4 @@ def test_the_pilots_projection_is_within_5_percent_of_the_measured_run(
     steps = sum(r.n_completed for r in results)
     assert (steps > CONVERSATIONS) == (turns == "every")  # every turn: the conversations' later turns too
     assert projection.output_tokens["projected_total"] == pytest.approx(tokens, rel=0.05)
-    print("FIGURES", turns, pr["wall_s"], wall, projection.output_tokens["projected_total"], tokens)
     assert pr["wall_s"] == pytest.approx(wall, rel=0.05), (pr, wall, tokens)
