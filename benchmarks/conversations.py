@@ -24,7 +24,6 @@ full-batch rate); `ratio_to_bound` = bound wall / measured wall, whole run, and 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import contextlib
 import json
 import os
@@ -32,16 +31,14 @@ import random
 import signal
 import sys
 import tempfile
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.generation import _cpu_s, _Monitor, _phases, _RssSampler, _standin_pid
+from benchmarks.generation import _phases, run_shards
 from datagen.chat import ChatTokenizer
 from datagen.checkpoint import read_rows
 from datagen.endpoints import ServerEndpoint
-from datagen.engine.dispatcher import Dispatcher
 from datagen.identity import RequestKeys, prompt_id_from_messages
 from datagen.layout import RunLayout
 from datagen.model_fixture import ensure_model_dir
@@ -50,10 +47,8 @@ from datagen.regeneration import Script, split_step_key
 from datagen.repetition import word_tokens
 from datagen.runspec import RunSpec, SamplingSpec
 from datagen.standin.testing import run_standin
-from tasks.chains import POLICIES, Chain, ChainRun, simulate_chains
-from tasks.generation import generate_shard
+from tasks.chains import POLICIES, Chain, ChainRun, DecodeModel, simulate_chains
 from tasks.generation_turns import expected_steps
-from tasks.pilot import DecodeModel
 
 __all__ = ["main", "workload"]
 
@@ -195,24 +190,9 @@ def run_workload(
         path = layout.shard_prompts(s)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("".join(p.to_json() + "\n" for p in chunk))
-    pids = [_standin_pid(int(ep.url.rsplit(":", 1)[1])) for ep in endpoints]
-    with contextlib.ExitStack() as stack:
-        dispatcher = stack.enter_context(Dispatcher(endpoints, log_interval_s=15.0, stall_timeout_s=300.0))
-        rss = stack.enter_context(_RssSampler())
-        dispatcher.wait_ready(60)
-        monitor = stack.enter_context(_Monitor(endpoints, dispatcher))
-        server_cpu0 = [_cpu_s(p) for p in pids]
-        cpu0, t0 = time.process_time(), time.monotonic()
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            results = list(
-                pool.map(
-                    lambda s: generate_shard(s, layout, dispatcher, chat, spec, flush_interval_s=2.0), range(shards)
-                )
-            )
-        wall = time.monotonic() - t0
-        cpu = time.process_time() - cpu0
-        server_cpu = [_cpu_s(p) - c for p, c in zip(pids, server_cpu0, strict=True)]
-        stats = dispatcher.stats()
+    timed = run_shards(endpoints, layout, chat, spec, shards, workers, monitor=True)
+    results, wall, monitor = timed.results, timed.wall_s, timed.monitor
+    assert monitor is not None
     sent = sum(r.n_sent for r in results)
     tokens = sum(r.output_tokens for r in results)
     out: dict[str, Any] = {
@@ -224,12 +204,12 @@ def run_workload(
         "wall_s": wall,
         "output_tokens_per_s": tokens / wall,
         "utilization": tokens / wall / ideal,
-        "client_cpu_ms_per_step": 1000 * cpu / max(1, sent),
-        "client_cpu_share_of_one_core": cpu / wall,
-        "server_cpu_share_of_one_core": [c / wall for c in server_cpu],
-        "peak_rss_mb": rss.peak,
-        "retries": stats.retries,
-        "requeued": stats.requeued,
+        "client_cpu_ms_per_step": 1000 * timed.cpu_s / max(1, sent),
+        "client_cpu_share_of_one_core": timed.cpu_s / wall,
+        "server_cpu_share_of_one_core": [c / wall for c in timed.server_cpu_s],
+        "peak_rss_mb": timed.peak_rss_mb,
+        "retries": timed.stats.retries,
+        "requeued": timed.stats.requeued,
     }
     out |= _phases(monitor.samples, sent, slots, ideal, model)
     chains, ordered = _chains(layout, shards, by_shard, spec, chat)

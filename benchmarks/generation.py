@@ -7,8 +7,9 @@ full batch), the client's CPU per request and its memory; then runs 1x and 10x p
 show that memory stays flat (prompts are streamed, not loaded).
 
 Beside utilization it reports the bound: what a perfect, always-full client would reach on the same requests in
-the same order (`tasks.pilot.simulate_slots` over the prompts' true output lengths, the servers' slots and the
-stand-in's own timing model), and `ratio_to_bound` (measured / bound) for the steady state and the whole run.
+the same order (`tasks.chains.simulate_chains`, one-step chains in FIFO order, over the prompts' true output
+lengths, the servers' slots and the stand-in's own timing model), and `ratio_to_bound` (measured / bound) for the
+steady state and the whole run.
 A whole run below the bound is the client's doing, tail included: the bound has the unavoidable tail already.
 
 The same prompts run twice: in file order (FIFO) and long outputs first (the order the pipeline plans after a
@@ -46,6 +47,7 @@ import httpx
 from datagen.chat import ChatTokenizer
 from datagen.endpoints import ServerEndpoint
 from datagen.engine.dispatcher import Dispatcher
+from datagen.engine.stats import DispatcherStats
 from datagen.identity import preparer_for, prompt_id_from_messages
 from datagen.layout import RunLayout
 from datagen.model_fixture import ensure_model_dir
@@ -56,11 +58,11 @@ from datagen.standin.knobs import Knobs
 from datagen.standin.synthetic import SyntheticModel
 from datagen.standin.testing import run_standin
 from datagen.storage import sha256_file
-from tasks.generation import generate_shard
+from tasks.chains import Chain, DecodeModel, simulate_chains
+from tasks.generation import ShardResult, generate_shard
 from tasks.ordering import LengthModel, LengthSample, prompt_chars
-from tasks.pilot import DecodeModel, simulate_slots
 
-__all__ = ["main", "run_once"]
+__all__ = ["TimedShards", "main", "run_once", "run_shards"]
 
 
 def _rss_mb() -> float:
@@ -165,6 +167,56 @@ class _Monitor:
             self.samples.append(self.sample(http))
 
 
+@dataclass
+class TimedShards:
+    """What `run_shards` measured: the shards' results, wall and CPU seconds (client and each server), memory."""
+
+    results: list[ShardResult]
+    wall_s: float
+    cpu_s: float
+    server_cpu_s: list[float]
+    stats: DispatcherStats
+    peak_rss_mb: float
+    monitor: _Monitor | None
+
+
+def run_shards(
+    endpoints: list[ServerEndpoint],
+    layout: RunLayout,
+    chat: ChatTokenizer,
+    spec: RunSpec,
+    shards: int,
+    workers: int,
+    *,
+    monitor: bool,
+    queue_depth: int | None = None,
+) -> TimedShards:
+    """Generate shards 0..`shards`-1 of `layout` through one dispatcher, `workers` at once, timed from the first.
+
+    `monitor`: sample the servers' /metrics and the dispatcher's queue meanwhile (`_Monitor`, for `_phases`).
+    """
+    pids = [_standin_pid(int(ep.url.rsplit(":", 1)[1])) for ep in endpoints]
+    with contextlib.ExitStack() as stack:
+        depth = {} if queue_depth is None else {"queue_depth": queue_depth}  # None: the pipeline's default
+        dispatcher = stack.enter_context(Dispatcher(endpoints, log_interval_s=15.0, stall_timeout_s=300.0, **depth))
+        rss = stack.enter_context(_RssSampler())
+        dispatcher.wait_ready(60)
+        sampler = stack.enter_context(_Monitor(endpoints, dispatcher)) if monitor else None
+        server_cpu0 = [_cpu_s(p) for p in pids]
+        cpu0, t0 = time.process_time(), time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            results = list(
+                pool.map(
+                    lambda s: generate_shard(s, layout, dispatcher, chat, spec, flush_interval_s=2.0), range(shards)
+                )
+            )
+        wall = time.monotonic() - t0
+        cpu = time.process_time() - cpu0
+        server_cpu = [_cpu_s(p) - c for p, c in zip(pids, server_cpu0, strict=True)]
+        stats = dispatcher.stats()
+    return TimedShards(results, wall, cpu, server_cpu, stats, rss.peak, sampler)
+
+
 def _phases(
     samples: list[_Sample], n_requests: int, slots: int, ideal: float, model: DecodeModel | None = None
 ) -> dict[str, Any]:
@@ -212,7 +264,7 @@ def _against_bound(
     run: dict[str, Any], lengths: list[int], model: DecodeModel, servers: int, slots: int
 ) -> dict[str, Any]:
     """The perfect client's figures on the same requests in the same order, and the measured run's ratio to them."""
-    best = simulate_slots(lengths, servers, slots, model)
+    best = simulate_chains([Chain((n,)) for n in lengths], servers, slots, model)  # FIFO, one step each
     steady_rate = best.tokens_at_last_start / max(best.last_start_s, 1e-9)  # every slot busy: the full-batch rate
     measured_steady = run["steady_utilization"] * servers * model.tokens_per_s(slots)
     return {
@@ -336,25 +388,15 @@ def run_once(
     # One request per prompt, as the figures in benchmarks/README.md were measured.
     spec = RunSpec(model_path=str(chat.model_dir), sampling=SamplingSpec(max_new_tokens=max_new_tokens), turns="last")
     n_written = _write_shards(layout, prompts, shards, per_shard, preparer_for(spec, chat) if planned_render else None)
-    pids = [_standin_pid(int(ep.url.rsplit(":", 1)[1])) for ep in endpoints]
-    with contextlib.ExitStack() as stack:
-        depth = {} if queue_depth is None else {"queue_depth": queue_depth}  # None: the pipeline's default
-        dispatcher = stack.enter_context(Dispatcher(endpoints, log_interval_s=15.0, stall_timeout_s=300.0, **depth))
-        rss = stack.enter_context(_RssSampler())
-        dispatcher.wait_ready(60)
-        monitor = stack.enter_context(_Monitor(endpoints, dispatcher)) if ideal else None
-        server_cpu0 = [_cpu_s(p) for p in pids]
-        cpu0, t0 = time.process_time(), time.monotonic()
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            results = list(
-                pool.map(
-                    lambda s: generate_shard(s, layout, dispatcher, chat, spec, flush_interval_s=2.0), range(shards)
-                )
-            )
-        wall = time.monotonic() - t0
-        cpu = time.process_time() - cpu0
-        server_cpu = [_cpu_s(p) - c for p, c in zip(pids, server_cpu0, strict=True)]
-        stats = dispatcher.stats()
+    timed = run_shards(endpoints, layout, chat, spec, shards, workers, monitor=bool(ideal), queue_depth=queue_depth)
+    results, wall, cpu, server_cpu, stats, monitor = (
+        timed.results,
+        timed.wall_s,
+        timed.cpu_s,
+        timed.server_cpu_s,
+        timed.stats,
+        timed.monitor,
+    )
     n = sum(r.n_prompts for r in results)
     assert n == sum(r.n_completed + r.n_rejected for r in results) == n_written
     tokens = sum(r.output_tokens for r in results)
@@ -370,7 +412,7 @@ def run_once(
         "client_cpu_share_of_one_core": cpu / wall,
         "server_cpu_share_of_one_core": [c / wall for c in server_cpu],
         "box_cpu_busy_share": (cpu + sum(server_cpu)) / (wall * (os.cpu_count() or 1)),
-        "peak_rss_mb": rss.peak,
+        "peak_rss_mb": timed.peak_rss_mb,
         "retries": stats.retries,
         "requeued": stats.requeued,
         "servers_down_at_end": [s.name for s in stats.servers if s.state != "up"],

@@ -1,9 +1,9 @@
 """A perfect client's bound for conversations: chains of steps on `servers` x `slots`, one policy for what goes next.
 
 In `turns: every` mode a conversation is a chain of generations ("steps"): step k+1 is conditioned on step k's
-output, so it cannot start before step k has ended. `simulate_chains` decodes such chains on the same server model
-as `tasks.pilot.simulate_slots` (every running request advances one token per `DecodeModel.step_s(batch)`; a freed
-slot is refilled at once), choosing among the steps that are ready by a `Policy`:
+output, so it cannot start before step k has ended. `simulate_chains` decodes such chains on a server model (every
+running request advances one token per `DecodeModel.step_s(batch)`; a freed slot is refilled at once), choosing
+among the steps that are ready by a `Policy`:
 
     plan_order_successors_first  a step of a conversation under way first, then new conversations in plan order
                                  (what the shard driver did before it ranked by work left)
@@ -16,7 +16,7 @@ slot is refilled at once), choosing among the steps that are ready by a `Policy`
     oracle_longest_first         the most true tokens left (needs the outputs: a bound no run can reach)
 
 Ties go to plan order (the chain's index). With chains of one step, `plan_order_successors_first` and `ready_fifo`
-dispatch in plan order and give exactly `simulate_slots`'s figures.
+dispatch in plan order: the single-request bound (`simulate_wall`, the pilot's single-turn projection).
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from tasks.pilot import DecodeModel
-
-__all__ = ["POLICIES", "Chain", "ChainRun", "Policy", "simulate_chains"]
+__all__ = ["POLICIES", "Chain", "ChainRun", "DecodeModel", "Policy", "simulate_chains", "simulate_wall"]
 
 Policy = Literal[
     "plan_order_successors_first",
@@ -49,6 +47,24 @@ POLICIES: tuple[Policy, ...] = (
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeModel:
+    """Time per decode step (every running request advances one token) as a function of the batch B.
+
+    step_s(B) = step_base_s + step_per_req_s * B, the shape of both SGLang's memory-bound decode and the stand-in's
+    timing model. Per-server throughput at batch B is B / step_s(B); a lone request decodes at 1 / step_s(1).
+    """
+
+    step_base_s: float
+    step_per_req_s: float
+
+    def step_s(self, batch: int) -> float:
+        return self.step_base_s + self.step_per_req_s * batch
+
+    def tokens_per_s(self, batch: int) -> float:
+        return batch / self.step_s(batch)
+
+
+@dataclass(frozen=True, slots=True)
 class Chain:
     """One conversation: its steps' true output lengths, in order, and what a run knows of it beforehand."""
 
@@ -63,7 +79,7 @@ class Chain:
 
 @dataclass(frozen=True, slots=True)
 class ChainRun:
-    """What `simulate_chains` found (the fields of `tasks.pilot.SlotRun`, and the tokens and utilization)."""
+    """What `simulate_chains` found: the wall time, when and after how many tokens the last step started, tokens."""
 
     wall_s: float
     last_start_s: float  # no step is ready after this (the tail starts)
@@ -95,7 +111,13 @@ def simulate_chains(
     spreads the first requests; afterwards each server, in turn, refills its free slots.
     """
     rank = _RANKS[policy]
-    seq = 0
+    # First steps wait in `opening`, sorted once by their rank (static: nothing has run yet); successors enter the
+    # `ready` heap as their predecessors end. The best of both goes next, so a million one-step chains (the
+    # single-turn projection) cost one sort, not a heap of a million.
+    firsts = [i for i, c in enumerate(chains) if c.steps]
+    opening = sorted((rank(i, 0, seq, chains[i]), i, 0) for seq, i in enumerate(firsts))
+    seq = len(opening)
+    opened = 0
     ready: list[tuple[tuple[float, ...], int, int]] = []  # (rank, chain, step)
 
     def make_ready(i: int, s: int) -> None:
@@ -103,9 +125,6 @@ def simulate_chains(
         heapq.heappush(ready, (rank(i, s, seq, chains[i]), i, s))
         seq += 1
 
-    for i, chain in enumerate(chains):
-        if chain.steps:
-            make_ready(i, 0)
     heaps: list[list[tuple[float, int, int]]] = [[] for _ in range(servers)]  # (progress at its end, chain, step)
     progress = [0.0] * servers
     t = tokens = last_start = tokens_at_last_start = 0.0
@@ -113,18 +132,22 @@ def simulate_chains(
 
     def take(k: int) -> bool:
         """Start the best ready step on server `k`; False when none is ready."""
-        nonlocal last_start, tokens_at_last_start
-        if ready:
+        nonlocal last_start, tokens_at_last_start, opened
+        if ready and (opened == len(opening) or ready[0] < opening[opened]):
             _, i, s = heapq.heappop(ready)
-            last_start, tokens_at_last_start = t, tokens
-            started.append((i, s))
-            n = chains[i].steps[s]
-            if n > 0:
-                heapq.heappush(heaps[k], (progress[k] + n, i, s))
-            elif s + 1 < len(chains[i].steps):  # an empty step ends as it starts: its successor is ready now
-                make_ready(i, s + 1)
-            return True
-        return False
+        elif opened < len(opening):
+            _, i, s = opening[opened]
+            opened += 1
+        else:
+            return False
+        last_start, tokens_at_last_start = t, tokens
+        started.append((i, s))
+        n = chains[i].steps[s]
+        if n > 0:
+            heapq.heappush(heaps[k], (progress[k] + n, i, s))
+        elif s + 1 < len(chains[i].steps):  # an empty step ends as it starts: its successor is ready now
+            make_ready(i, s + 1)
+        return True
 
     def fill(k: int) -> None:
         while len(heaps[k]) < slots and take(k):
@@ -157,3 +180,8 @@ def simulate_chains(
     full_rate = servers * model.tokens_per_s(slots)
     utilization = total / (t * full_rate) if t > 0 else 0.0
     return ChainRun(t, last_start, tokens_at_last_start, total, utilization, tuple(started))
+
+
+def simulate_wall(lengths: Sequence[int], servers: int, slots: int, model: DecodeModel) -> float:
+    """Seconds to decode single requests dispatched in this order (one-step chains, FIFO) onto `servers` x `slots`."""
+    return simulate_chains([Chain((n,)) for n in lengths], servers, slots, model, "ready_fifo").wall_s

@@ -11,7 +11,6 @@ template), so importing them makes the main run's generation ledger skip them: n
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import math
@@ -20,7 +19,7 @@ import random
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -43,6 +42,7 @@ from datagen.quality import ValidationSummary
 from datagen.regeneration import split_step_key
 from datagen.runspec import RunSpec
 from tasks import pilot_turns
+from tasks.chains import DecodeModel, simulate_wall
 from tasks.generation import read_prompts
 from tasks.ordering import LengthModel, LengthSample
 from tasks.planning import ShardPlan, plan_shards
@@ -57,7 +57,6 @@ __all__ = [
     "PilotSpec",
     "Projection",
     "ServerReading",
-    "SlotRun",
     "ThroughputProbe",
     "ThroughputSample",
     "dispatch_order",
@@ -68,7 +67,6 @@ __all__ = [
     "plan_pilot",
     "project",
     "render_projection",
-    "simulate_slots",
     "simulate_wall",
     "write_projection",
 ]
@@ -159,24 +157,6 @@ class ServerReading:
     waiting: int
     generation_tokens: float | None  # sglang:generation_tokens_total; None when only /v1/loads answered
     gen_throughput: float  # the server's own recent tokens/s
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeModel:
-    """Time per decode step (every running request advances one token) as a function of the batch B.
-
-    step_s(B) = step_base_s + step_per_req_s * B, the shape of both SGLang's memory-bound decode and the stand-in's
-    timing model. Per-server throughput at batch B is B / step_s(B); a lone request decodes at 1 / step_s(1).
-    """
-
-    step_base_s: float
-    step_per_req_s: float
-
-    def step_s(self, batch: int) -> float:
-        return self.step_base_s + self.step_per_req_s * batch
-
-    def tokens_per_s(self, batch: int) -> float:
-        return batch / self.step_s(batch)
 
 
 def _parse_prometheus(text: str) -> dict[str, float]:
@@ -392,82 +372,12 @@ class ThroughputProbe:
         }
 
 
-@dataclass(frozen=True, slots=True)
-class SlotRun:
-    """What `simulate_slots` found: the wall time, and when and after how many tokens the last request started."""
-
-    wall_s: float
-    last_start_s: float  # the queue is empty from here on: the tail starts
-    tokens_at_last_start: float
-
-
-def simulate_wall(lengths: Sequence[int], servers: int, slots: int, model: DecodeModel) -> float:
-    """Seconds to decode `lengths` dispatched in this order onto `servers` x `slots`, every slot refilled at once."""
-    return simulate_slots(lengths, servers, slots, model).wall_s
-
-
-def simulate_slots(lengths: Sequence[int], servers: int, slots: int, model: DecodeModel) -> SlotRun:
-    """Decode `lengths` dispatched in this order onto `servers` x `slots`, every slot refilled at once.
-
-    Every server advances all its running requests one token per model.step_s(batch): full batches at the
-    saturated rate, and a drain that speeds up per request as the batch empties. A freed slot takes the next
-    request in order (a long-first order leaves the shortest outputs for the end, so the drain is short).
-    This is what a perfect, always-full client would reach on these requests in this order.
-    """
-    queue = iter(lengths)
-    heaps: list[list[float]] = [[] for _ in range(servers)]  # per server: progress at which each request ends
-    progress = [0.0] * servers  # tokens every request running on the server has advanced since t=0
-    exhausted = False
-    t = tokens = last_start = tokens_at_last_start = 0.0
-
-    def take(k: int) -> bool:
-        """Start the next request on server `k`; False once the queue is exhausted."""
-        nonlocal exhausted, last_start, tokens_at_last_start
-        n = next(queue, None)
-        if n is None:
-            exhausted = True
-            return False
-        last_start, tokens_at_last_start = t, tokens
-        if n > 0:
-            heapq.heappush(heaps[k], progress[k] + n)
-        return True
-
-    def fill(k: int) -> None:
-        while not exhausted and len(heaps[k]) < slots and take(k):
-            pass
-
-    for _ in range(slots):  # round-robin initial fill, as a dispatcher spreads the first requests
-        for k in range(servers):
-            if len(heaps[k]) < slots and not take(k):
-                break
-    for k in range(servers):
-        fill(k)
-    while True:
-        active = [k for k in range(servers) if heaps[k]]
-        if not active:
-            return SlotRun(t, last_start, tokens_at_last_start)
-        dt = min((heaps[k][0] - progress[k]) * model.step_s(len(heaps[k])) for k in active)
-        t += dt
-        for k in active:
-            advanced = dt / model.step_s(len(heaps[k]))
-            progress[k] += advanced
-            tokens += advanced * len(heaps[k])
-            while heaps[k] and heaps[k][0] <= progress[k] + 1e-9:
-                heapq.heappop(heaps[k])
-            fill(k)
-
-
 def expand_population(samples: list[tuple[LengthSample, float]], target: int) -> list[tuple[float, int]]:
     """`target` (predicted, actual) lengths standing for a population: each sample repeated by its weight.
 
     Largest-remainder rounding keeps the total exact; the caller orders the result.
     """
-    if not samples or target <= 0:
-        return []
-    w = target / len(samples)
-    counts = [int(w)] * len(samples)
-    for i in sorted(range(len(samples)), key=lambda i: -((w * (i + 1)) % 1))[: target - sum(counts)]:
-        counts[i] += 1
+    counts = pilot_turns.repeat_counts(len(samples), target)
     return [(pred, s.output_tokens) for (s, pred), c in zip(samples, counts, strict=True) for _ in range(c)]
 
 
@@ -510,6 +420,9 @@ class Projection(BaseModel):
     )
     conversations: dict[str, Any] | None = Field(
         None, description="Every-turn mode: per step, per user turn and per conversation (tasks.pilot_turns)."
+    )
+    step_model: pilot_turns.StepModel | None = Field(
+        None, description="Every-turn mode: mean step length per category and kind (first turn, later, tool round)."
     )
 
 
@@ -577,38 +490,23 @@ def project(
     pilot_tokens = sum(all_tokens)
 
     length_model = LengthModel.fit(samples)
-    by_src: dict[str, list[tuple[LengthSample, float]]] = defaultdict(list)
-    for smp in samples:
-        by_src[smp.source].append((smp, length_model.predict_features(smp.source, smp.category, smp.prompt_chars)))
-    full_items: list[tuple[float, int]] = []
-    rest_items: list[tuple[float, int]] = []
-    for source, n_pop in pop.items():
-        src_samples = by_src.get(source, [])
-        sampled = len(src_samples) + gen_rejects[source]
-        if not src_samples:
-            continue
-        completing = len(src_samples) / sampled  # generation rejects take no decode time
-        full_items += expand_population(src_samples, round(n_pop * completing))
-        rest = max(0, n_pop - population.sample_by_source.get(source, sampled))
-        rest_items += expand_population(src_samples, round(rest * completing))
-
     rate = float(throughput["aggregate_tokens_per_s"])
     per_server = rate / max(1, int(throughput["servers"]))
     remaining = max(0.0, total_tokens - pilot_tokens)
     walls: dict[str, float] = {}
-    orders: tuple[tuple[str, list[tuple[float, int]], DispatchOrder], ...]
     if "step_base_s" in throughput:
         model = DecodeModel(float(throughput["step_base_s"]), float(throughput["step_per_req_s"]))
         slots = int(throughput["slots_per_server"])
         ramp = float(throughput.get("ramp_s", 0.0))
-        orders = (
-            ("wall_s", full_items, "long_first"),
-            ("wall_s_source", full_items, "source"),
-            ("wall_s_reusing_pilot", rest_items, "long_first"),
-        )
-        for key, items, order in orders:
-            walls[key] = ramp + simulate_wall(dispatch_order(items, order, pilot.seed), servers, slots, model)
-        method = "simulated: server decode model, pilot lengths in dispatch order"
+        if measured.chains is not None:  # every turn: conversations as chains of steps, as the driver ranks them
+            simulated = pilot_turns.chain_walls(
+                measured, pop, population.sample_by_source, length_model, servers, slots, model, pilot.seed
+            )
+            method = "simulated: server decode model, the pilot's conversations as chains, most work left first"
+        else:
+            simulated = _request_walls(samples, gen_rejects, population, length_model, servers, slots, model, pilot)
+            method = "simulated: server decode model, pilot lengths in dispatch order"
+        walls = {key: ramp + s for key, s in simulated.items()}
     else:  # no batch model: tokens at the whole-run rate of the pilot
         walls["wall_s"] = walls["wall_s_source"] = total_tokens / (per_server * servers) if per_server > 0 else math.inf
         walls["wall_s_reusing_pilot"] = remaining / (per_server * servers) if per_server > 0 else math.inf
@@ -649,10 +547,52 @@ def project(
             "dataset_tokens": round(total_row_tokens),
             "dataset_bytes_uncompressed": round(total_row_tokens * BYTES_PER_TOKEN),
         }
-        | ({"steps": round(total_steps)} if measured.conversations is not None else {}),
+        | ({"steps": round(total_steps), "policy": "expected_work_left"} if measured.conversations is not None else {}),
         length_model=length_model,
         conversations=measured.conversations,
+        step_model=pilot_turns.StepModel.fit(measured.step_lengths) if measured.step_lengths else None,
     )
+
+
+def _request_walls(
+    samples: list[LengthSample],
+    gen_rejects: Mapping[str, int],
+    population: PilotPopulation,
+    length_model: LengthModel,
+    servers: int,
+    slots: int,
+    model: DecodeModel,
+    pilot: PilotSpec,
+) -> dict[str, float]:
+    """Simulated seconds of a `last` mode run: the full set (and its part the pilot did not sample) as requests.
+
+    Each source's samples stand for its population (each repeated by its weight; a generation reject takes no
+    decode time), dispatched long-first by the length model's prediction (`wall_s`, `wall_s_reusing_pilot`) or in
+    a seeded shuffle (`wall_s_source`).
+    """
+    by_src: dict[str, list[tuple[LengthSample, float]]] = defaultdict(list)
+    for smp in samples:
+        by_src[smp.source].append((smp, length_model.predict_features(smp.source, smp.category, smp.prompt_chars)))
+    full_items: list[tuple[float, int]] = []
+    rest_items: list[tuple[float, int]] = []
+    for source, n_pop in population.population_by_source.items():
+        src_samples = by_src.get(source, [])
+        sampled = len(src_samples) + gen_rejects.get(source, 0)
+        if not src_samples:
+            continue
+        completing = len(src_samples) / sampled  # generation rejects take no decode time
+        full_items += expand_population(src_samples, round(n_pop * completing))
+        rest = max(0, n_pop - population.sample_by_source.get(source, sampled))
+        rest_items += expand_population(src_samples, round(rest * completing))
+    orders: tuple[tuple[str, list[tuple[float, int]], DispatchOrder], ...] = (
+        ("wall_s", full_items, "long_first"),
+        ("wall_s_source", full_items, "source"),
+        ("wall_s_reusing_pilot", rest_items, "long_first"),
+    )
+    return {
+        key: simulate_wall(dispatch_order(items, order, pilot.seed), servers, slots, model)
+        for key, items, order in orders
+    }
 
 
 def engine_section(pilot_plan: MemoryPlan | None, main_plan: MemoryPlan | None, why: str) -> dict[str, Any]:
@@ -675,6 +615,8 @@ def render_projection(p: Projection) -> str:
     """The pilot report as markdown (the Prefect artifact and pilot.md)."""
     pr, ot, th = p.projection, p.output_tokens, p.throughput
     what, request = ("conversations", "step") if p.conversations else ("prompts", "completion")
+    # Every turn: the plan is long-first, and the driver sends the ready step with the most expected work left.
+    dispatch = "long-first, ready steps by expected work left" if pr.get("policy") else "long-first dispatch"
     lines = [
         f"# Pilot `{p.pilot['name']}`: projection for {p.pilot['population']:,} {what} on {pr['servers']} servers",
         "",
@@ -687,7 +629,7 @@ def render_projection(p: Projection) -> str:
         f"{ot['mean']:,} / {ot['p50']:,} / {ot['p90']:,} / {ot['p99']:,} |",
         f"| throughput per server (measured, {th['method']}) | {th['per_server_tokens_per_s']:,} tok/s |",
         *_engine_rows(p.engine),
-        f"| wall time (long-first dispatch) | {pr['wall_h']:,.3f} h ({pr['wall_s']:,} s) |",
+        f"| wall time ({dispatch}) | {pr['wall_h']:,.3f} h ({pr['wall_s']:,} s) |",
         f"| of which beyond the saturated rate (ramp, drain) | {pr.get('tail_s', 0.0):,} s |",
         # "wall_s_fifo": the key before the order was named as RunSpec.order names it (pilots written then).
         f"| wall time in source order | {pr.get('wall_s_source', pr.get('wall_s_fifo', pr['wall_s'])):,} s |",

@@ -2,41 +2,136 @@
 
     measure_completions(layout, plan)        `last` mode: one completion per sampled prompt (as before)
     measure_conversations(layout, plan, ...) every-turn mode: the steps of each sampled conversation
+    StepModel.fit(...)                       mean step length per category and kind of step (first user turn,
+                                             later user turns, tool rounds)
+    chain_walls(...)                         the every-turn run's wall time: the full set as chains of steps
     turn_report(conversations)               the pilot report's per-turn rows and its table of outcomes
 
-Both return a `PilotMeasure`, what `tasks.pilot.project` projects from: per source, the output tokens of each
-sample (a conversation's steps summed: a conversation holds one slot from its first step to its last, because its
-next step is requested as soon as one is done), the tokens of the training rows it makes, and the samples for the
-length model (which the main run's long-first order uses to rank conversations by their total output).
+Both measures return a `PilotMeasure`, what `tasks.pilot.project` projects from: per source, the output tokens of
+each sample (a conversation's steps summed), the tokens of the training rows it makes, and the samples for the
+length model (which the main run's long-first order uses to rank conversations by their total output). In
+every-turn mode it also holds each sampled conversation's steps: the wall time is simulated on them as chains
+(`tasks.chains.simulate_chains`: step k+1 starts once step k has ended, a freed slot takes the ready step with the
+most expected work left, as the shard driver ranks them).
 """
 
 from __future__ import annotations
 
+import random
 from collections import Counter, defaultdict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
 
 from datagen.checkpoint import read_rows
 from datagen.layout import RunLayout
+from datagen.preparation import Unsendable
 from datagen.records import Message, Prompt
-from datagen.regeneration import is_query, split_step_key
-from datagen.turn_stats import TurnSummary, conversations, distribution, is_step_row
+from datagen.regeneration import Script, is_query, split_step_key
+from datagen.turn_stats import Step, TurnSummary, conversations, distribution, is_step_row
+from tasks.chains import Chain, DecodeModel, simulate_chains
 from tasks.generation import read_prompts
-from tasks.ordering import LengthSample, prompt_chars
+from tasks.generation_turns import expected_steps
+from tasks.ordering import SHRINKAGE, GroupStat, LengthModel, LengthSample, prompt_chars
 from tasks.planning import ShardPlan
 
 __all__ = [
+    "STEP_KINDS",
     "PilotMeasure",
+    "SampledChain",
+    "StepKind",
+    "StepModel",
+    "chain_walls",
     "conversation_key",
     "keys_by_conversation",
     "measure",
     "measure_completions",
     "measure_conversations",
+    "repeat_counts",
+    "step_kind",
     "turn_report",
     "user_turns",
 ]
+
+# What a step answers: the first user turn, a later user turn, or a tool round (a continuation after the results of
+# the calls its turn's previous step made). Their lengths differ (an opening answer, a follow-up, a short call).
+StepKind = Literal["first_turn", "later_turn", "tool_round"]
+STEP_KINDS: tuple[StepKind, ...] = ("first_turn", "later_turn", "tool_round")
+
+
+def step_kind(turn_index: int, first_of_turn: bool) -> StepKind:
+    """The kind of a step from its user turn and whether it opens that turn."""
+    if not first_of_turn:
+        return "tool_round"
+    return "first_turn" if turn_index == 0 else "later_turn"
+
+
+def recorded_kinds(prompt: Prompt) -> tuple[StepKind, ...]:
+    """The kinds of the steps a conversation's regeneration is expected to take (`expected_steps`, in order)."""
+    try:
+        script = Script.of(prompt)
+    except Unsendable:
+        return ("first_turn",)  # its first step is rejected when it opens
+    return tuple(step_kind(t, j == 0) for t, turn in enumerate(script.turns) for j in range(max(1, len(turn.steps))))
+
+
+class StepModel(BaseModel):
+    """Mean output tokens of a step by its kind, and by category and kind (the pilot's every-turn measurement).
+
+    A small group's mean is pulled toward its parent's (category and kind -> kind -> all steps) by `SHRINKAGE`
+    pseudo-samples, as `tasks.ordering.LengthModel` does for sources and categories.
+    """
+
+    global_mean: float = Field(..., description="Mean output tokens over all steps.")
+    by_kind: dict[str, GroupStat] = Field(default_factory=dict, description="first_turn | later_turn | tool_round.")
+    by_category: dict[str, dict[str, GroupStat]] = Field(
+        default_factory=dict, description="category -> kind -> stats (conversations without one: no entry)."
+    )
+
+    @classmethod
+    def fit(cls, steps: Iterable[tuple[str | None, StepKind, int]]) -> StepModel:
+        """Fit on (category, kind, output tokens) of every generated step."""
+        rows = list(steps)
+        if not rows:
+            raise ValueError("a step model needs at least one step")
+        kind: dict[str, list[int]] = defaultdict(list)
+        grp: dict[tuple[str, str], list[int]] = defaultdict(list)
+        for category, step, n in rows:
+            kind[step].append(n)
+            if category is not None:
+                grp[(category, step)].append(n)
+        by_category: dict[str, dict[str, GroupStat]] = defaultdict(dict)
+        for (c, k), v in sorted(grp.items()):
+            by_category[c][k] = GroupStat(n=len(v), mean=sum(v) / len(v))
+        return cls(
+            global_mean=sum(n for _, _, n in rows) / len(rows),
+            by_kind={k: GroupStat(n=len(v), mean=sum(v) / len(v)) for k, v in sorted(kind.items())},
+            by_category=dict(by_category),
+        )
+
+    def mean(self, category: str | None, kind: StepKind) -> float:
+        """Expected output tokens of a step of this kind in this category."""
+        stat = self.by_kind.get(kind)
+        kind_mean = (
+            (stat.n * stat.mean + SHRINKAGE * self.global_mean) / (stat.n + SHRINKAGE) if stat else self.global_mean
+        )
+        cat = self.by_category.get(category, {}).get(kind) if category is not None else None
+        return (cat.n * cat.mean + SHRINKAGE * kind_mean) / (cat.n + SHRINKAGE) if cat else kind_mean
+
+    def expected(self, prompt: Prompt) -> tuple[float, ...]:
+        """Each expected step's length, in order (its recorded turns and tool rounds)."""
+        return tuple(self.mean(prompt.category, k) for k in recorded_kinds(prompt))
+
+
+@dataclass(frozen=True, slots=True)
+class SampledChain:
+    """One sampled conversation that produced output: its prompt and its steps' output tokens, in order."""
+
+    prompt: Prompt
+    steps: tuple[int, ...]
 
 
 @dataclass(slots=True)
@@ -54,6 +149,8 @@ class PilotMeasure:
     segments: Counter[str] | None = None
     steps: Counter[str] | None = None
     conversations: dict[str, Any] | None = None
+    chains: list[SampledChain] | None = None  # every sampled conversation with output
+    step_lengths: list[tuple[str | None, StepKind, int]] | None = None  # (category, kind, tokens) of every step
 
 
 def conversation_key(request_key: str) -> str:
@@ -132,7 +229,8 @@ def measure_conversations(
     rows_by_source: Counter[str] = Counter()
     segments: Counter[str] = Counter()
     steps: Counter[str] = Counter()
-    m = PilotMeasure(rows=rows_by_source, segments=segments, steps=steps)
+    m = PilotMeasure(rows=rows_by_source, segments=segments, steps=steps, chains=[], step_lengths=[])
+    assert m.chains is not None and m.step_lengths is not None
     source_turns: list[int] = []
     sampled = []
     for shard_id in plan.shard_ids:
@@ -150,6 +248,11 @@ def measure_conversations(
                 continue
             m.tokens[src].append(conv.output_tokens)
             m.request_tokens += [s.completion_tokens for s in conv.steps]
+            ordered: list[Step] = sorted(conv.steps, key=lambda s: s.step)
+            m.chains.append(SampledChain(prompt, tuple(s.completion_tokens for s in ordered)))
+            m.step_lengths += [
+                (prompt.category, step_kind(s.turn_index, s.first_of_turn), s.completion_tokens) for s in ordered
+            ]
             rows = conv.row_tokens(rejected)
             rows_by_source[src] += len(rows)
             m.row_tokens[src] += rows
@@ -163,12 +266,85 @@ def measure_conversations(
             )
     summary = TurnSummary.of(sampled)
     n = len(sampled)
+    by_kind: dict[str, list[int]] = defaultdict(list)
+    for _, kind, tokens in m.step_lengths:
+        by_kind[kind].append(tokens)
     m.conversations = {
         **summary.model_dump(),
         "user_turns_in_source": distribution(source_turns),
         "rows_per_conversation": round(sum(rows_by_source.values()) / n, 3) if n else 0.0,
+        "output_tokens_per_step_by_kind": {k: distribution(by_kind[k]) for k in STEP_KINDS if by_kind[k]},
     }
     return m
+
+
+def repeat_counts(n: int, target: int) -> list[int]:
+    """How often each of `n` samples is repeated to stand for `target` (largest remainder: the total is exact)."""
+    if n <= 0 or target <= 0:
+        return [0] * max(n, 0)
+    w = target / n
+    counts = [int(w)] * n
+    for i in sorted(range(n), key=lambda i: -((w * (i + 1)) % 1))[: target - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def chain_walls(
+    measured: PilotMeasure,
+    population_by_source: Mapping[str, int],
+    sample_by_source: Mapping[str, int],
+    length_model: LengthModel,
+    servers: int,
+    slots: int,
+    model: DecodeModel,
+    seed: int,
+) -> dict[str, float]:
+    """Simulated seconds of an every-turn run: the full set (and the part the pilot did not sample) as chains.
+
+    Each source's sampled conversations stand for its population (each repeated by its weight; a conversation
+    refused on its first step takes no decode time). A freed slot takes the ready step with the most expected work
+    left, as the shard driver ranks (`tasks.generation_turns`: the pilot's length model over the conversation's
+    expected steps, a share per step); plan order breaks ties: long-first by that prediction (`wall_s`, what
+    `order: long_first` plans), or a seeded shuffle (`wall_s_source`).
+    """
+    by_source: dict[str, list[SampledChain]] = defaultdict(list)
+    for c in measured.chains or []:
+        by_source[c.prompt.source].append(c)
+    full: list[tuple[float, Chain]] = []
+    rest: list[tuple[float, Chain]] = []
+    for source, n_pop in population_by_source.items():
+        sampled = by_source.get(source, [])
+        if not sampled:
+            continue
+        completing = len(sampled) / (len(sampled) + measured.gen_rejects[source])
+        built = []
+        for c in sampled:
+            predicted = length_model.predict(c.prompt)
+            steps = expected_steps(c.prompt)  # the driver's share per step (`pilot_step_tokens`)
+            built.append((predicted, Chain(c.steps, user_turns(c.prompt), (predicted / steps,) * steps)))
+        not_sampled = max(0, n_pop - sample_by_source.get(source, len(sampled)))
+        for items, target in ((full, n_pop), (rest, not_sampled)):
+            for item, k in zip(built, repeat_counts(len(built), round(target * completing)), strict=True):
+                items += [item] * k
+
+    def ordered(items: list[tuple[float, Chain]], long_first: bool) -> list[Chain]:
+        shuffled = list(items)
+        random.Random(seed).shuffle(shuffled)  # file order mixes the strata; ties of long-first keep it
+        if long_first:
+            shuffled.sort(key=lambda x: -x[0])
+        return [c for _, c in shuffled]
+
+    def wall(items: list[tuple[float, Chain]], long_first: bool) -> float:
+        return simulate_chains(ordered(items, long_first), servers, slots, model, "expected_work_left").wall_s
+
+    return {
+        "wall_s": wall(full, True),
+        "wall_s_source": wall(full, False),
+        "wall_s_reusing_pilot": wall(rest, True),
+    }
+
+
+_KIND_LABELS = {"first_turn": "first user turn", "later_turn": "later user turns", "tool_round": "tool rounds"}
 
 
 def turn_report(conversations: dict[str, Any] | None, projection: dict[str, Any]) -> list[str]:
@@ -198,6 +374,11 @@ def turn_report(conversations: dict[str, Any] | None, projection: dict[str, Any]
         f"{src['mean']:,} / {src['p90']:,} / {src['max']:,} |",
         f"| output tokens per conversation: mean / p50 / p90 / p99 | "
         f"{total['mean']:,} / {total['p50']:,} / {total['p90']:,} / {total['p99']:,} |",
+        *(
+            f"| output tokens per step, {_KIND_LABELS[kind]}: mean / p90 (steps) | "
+            f"{d['mean']:,} / {d['p90']:,} ({d['n']:,}) |"
+            for kind, d in conversations.get("output_tokens_per_step_by_kind", {}).items()
+        ),
         f"| training rows (user-turn segments) per conversation | {conversations['rows_per_conversation']:,} |",
         f"| steps projected for the full set | {projection.get('steps', 0):,} |",
         "",

@@ -18,6 +18,7 @@ from datagen.runspec import PromptSource, QualityGate, RunSpec, SamplingSpec
 from datagen.standin.testing import run_standin
 from flows.expand_dataset import expand_dataset
 from flows.pilot import pilot_flow
+from tasks.chains import Chain, simulate_chains
 from tasks.ordering import LengthSample
 from tasks.pilot import (
     PILOT_JSON,
@@ -31,7 +32,6 @@ from tasks.pilot import (
     expand_population,
     fit_decode_model,
     project,
-    simulate_slots,
     simulate_wall,
 )
 from tasks.planning import ShardEntry, ShardPlan
@@ -107,9 +107,9 @@ def test_pilot_projects_the_full_set_and_the_main_run_reuses_its_completions(
     assert first_shard[0].source == longest
 
 
-def test_simulate_slots_reports_when_the_last_request_started() -> None:
+def test_simulate_chains_of_one_step_reports_when_the_last_request_started() -> None:
     m = DecodeModel(0.002, 0.0005)  # step(1) = 2.5 ms, step(2) = 3 ms
-    run = simulate_slots([100, 100, 50], 1, 2, m)
+    run = simulate_chains([Chain((n,)) for n in (100, 100, 50)], 1, 2, m)
     # Two run 100 tokens at 3 ms (0.3 s, 200 tokens); the third starts then and runs alone at 2.5 ms.
     assert (run.last_start_s, run.tokens_at_last_start) == (pytest.approx(0.3), pytest.approx(200))
     assert run.wall_s == pytest.approx(0.3 + 50 * 0.0025) == simulate_wall([100, 100, 50], 1, 2, m)

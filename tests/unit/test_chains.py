@@ -6,35 +6,42 @@ import random
 
 import pytest
 
-from tasks.chains import POLICIES, Chain, simulate_chains
-from tasks.pilot import DecodeModel, simulate_slots
+from tasks.chains import POLICIES, Chain, DecodeModel, simulate_chains, simulate_wall
 
 MODEL = DecodeModel(0.004, 0.0002)
 FLAT = DecodeModel(1.0, 0.0)  # one token per second per running request, whatever the batch
 
 
+# The FIFO bound of single requests as `tasks.pilot.simulate_slots` computed it (main at 2fc14b0, its own loop, now
+# replaced by one-step chains): (servers, slots, n) -> (wall_s, last_start_s, tokens_at_last_start, output tokens).
+FIFO_FIGURES = {
+    (1, 1, 5): (5.796, 5.7834, 1377.0, 1380),
+    (2, 4, 37): (40.0004, 12.873600000000001, 21196.0, 34092),
+    (8, 16, 300): (20.96320000000001, 5.623200000000008, 99968.0, 191722),
+    (3, 64, 100): (22.3808, 0.0, 0.0, 59509),
+}
+
+
 @pytest.mark.parametrize("policy", ["plan_order_successors_first", "ready_fifo", "most_turns_first"])
-@pytest.mark.parametrize(("servers", "slots", "n"), [(1, 1, 5), (2, 4, 37), (8, 16, 300), (3, 64, 100)])
+@pytest.mark.parametrize(("servers", "slots", "n"), list(FIFO_FIGURES))
 def test_single_step_chains_equal_the_fifo_bound(policy: str, servers: int, slots: int, n: int) -> None:
     rng = random.Random(n * 31 + slots)
     lengths = [max(0, int(rng.lognormvariate(6, 1.0))) for _ in range(n)] + [0, 3]
-    fifo = simulate_slots(lengths, servers, slots, MODEL)
     run = simulate_chains([Chain((x,)) for x in lengths], servers, slots, MODEL, policy)  # type: ignore[arg-type]
-    assert (run.wall_s, run.last_start_s, run.tokens_at_last_start) == (
-        fifo.wall_s,
-        fifo.last_start_s,
-        fifo.tokens_at_last_start,
-    )
-    assert run.output_tokens == sum(lengths)
+    wall, last_start, tokens_at_last_start, total = FIFO_FIGURES[(servers, slots, n)]
+    assert (run.wall_s, run.last_start_s, run.tokens_at_last_start) == (wall, last_start, tokens_at_last_start)
+    assert run.output_tokens == total == sum(lengths)
+    assert simulate_wall(lengths, servers, slots, MODEL) == run.wall_s
+    assert [i for i, _ in run.started] == list(range(len(lengths)))  # plan order, one start each
 
 
 def test_single_step_oracle_is_the_long_first_bound() -> None:
     rng = random.Random(3)
     lengths = [int(rng.lognormvariate(6, 1.0)) + 1 for _ in range(200)]
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    expected = simulate_slots([lengths[i] for i in order], 4, 8, MODEL)
+    expected = simulate_wall([lengths[i] for i in order], 4, 8, MODEL)
     run = simulate_chains([Chain((x,)) for x in lengths], 4, 8, MODEL, "oracle_longest_first")
-    assert run.wall_s == pytest.approx(expected.wall_s)
+    assert run.wall_s == pytest.approx(expected)
     assert [i for i, _ in run.started] == order
 
 

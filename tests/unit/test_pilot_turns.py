@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -226,3 +227,54 @@ def test_a_main_run_whose_every_conversation_the_pilot_settled_generates_nothing
 
     result = generate_shard(0, layout, None, chat, spec)
     assert (result.n_prompts, result.n_completed, result.n_sent) == (2, 2, 0)
+
+
+def test_the_every_turn_wall_is_simulated_on_chains_ranked_by_expected_work_left(tmp_path: Path) -> None:
+    """A conversation is a chain of steps, not one request holding a slot: a freed slot takes the ready step with
+    the most expected work left (the driver's rank), so a short first-turn conversation goes before a long one's
+    second step. Before, the projection replayed each conversation as one request of its summed length."""
+    layout = RunLayout(tmp_path)
+    layout.shards_dir.mkdir(parents=True)
+    a = dataclasses.replace(_prompt("a", "s", 2), category="long")  # two user turns: 10 + 10 tokens
+    b, c = (dataclasses.replace(_prompt(pid, "s", 1), category="short") for pid in ("b", "c"))  # 12 tokens each
+    layout.shard_prompts(0).write_text("".join(p.to_json() + "\n" for p in (a, b, c)))
+    steps = [
+        _step("a", "s", 0, 0, 10, 50),
+        _step("b", "s", 0, 0, 12, 50, outcome="complete"),
+        _step("c", "s", 0, 0, 12, 50, outcome="complete"),
+        _step("a", "s", 1, 1, 10, 80, outcome="complete"),
+    ]
+    layout.shard_completions(0).write_text("".join(x.to_json() + "\n" for x in steps))
+    plan = ShardPlan(
+        shard_size=3, shard_ids=[0], shards=[ShardEntry(shard_id=0, n_prompts=3, sha256="0" * 64)], n_rows=3,
+        n_prompts=3, n_load_rejects=0, prompts_by_source={"s": 3}, load_rejects_by_source={},
+        load_rejects_by_reason={}, prompts_by_category={"long": 1, "short": 2}, n_uncategorized=0,
+        load_rejects_sha256="0" * 64, plan_sha256="0" * 64,
+    )  # fmt: skip
+    population = PilotPopulation(
+        population_by_source={"s": 3}, sample_by_source={"s": 3}, selection=SelectionReport()
+    )  # the pilot sampled the whole set: the full run is these three chains
+    # One server, two slots, one token a second whatever the batch; 0.5 s before the first request ran.
+    throughput = {
+        "aggregate_tokens_per_s": 2.0, "servers": 1, "step_base_s": 1.0, "step_per_req_s": 0.0,
+        "slots_per_server": 2, "ramp_s": 0.5, "method": "saturated",
+    }  # fmt: skip
+    p = project(layout, plan, population, ValidationSummary(), throughput, 1, PilotSpec())
+    pr = p.projection
+    # The length model predicts a (category long) above b, c (short), and a's share per step (half) below them:
+    # t=0 a's turn 0 and b start; t=10 a's turn 1 is ready but c (more work left) takes the slot; t=12 b ends,
+    # a's turn 1 runs to 22. As one request of 20 tokens a would hold its slot: b to 12, c to 24.
+    assert p.length_model.predict(a) / 2 < p.length_model.predict(c) < p.length_model.predict(a)
+    assert pr["wall_s"] == pytest.approx(0.5 + 22.0) and pr["wall_s_source"] == pytest.approx(0.5 + 22.0)
+    assert pr["wall_s_reusing_pilot"] == pytest.approx(0.5)  # nothing left to generate
+    assert pr["policy"] == "expected_work_left" and "chains" in pr["method"]
+    assert p.output_tokens["projected_total"] == 44 and pr["steps"] == 4
+    # The step lengths per kind: three first user turns (10, 12, 12), one later turn (10), no tool round.
+    assert p.step_model is not None
+    assert (p.step_model.by_kind["first_turn"].n, p.step_model.by_kind["first_turn"].mean) == (3, pytest.approx(34 / 3))
+    assert (p.step_model.by_kind["later_turn"].n, p.step_model.by_kind["later_turn"].mean) == (1, 10.0)
+    assert "tool_round" not in p.step_model.by_kind and p.step_model.by_category["long"]["later_turn"].mean == 10.0
+    assert len(p.step_model.expected(a)) == 2 and len(p.step_model.expected(b)) == 1
+    text = render_projection(p)
+    assert "| output tokens per step, later user turns: mean / p90 (steps) | 10.0 / 10 (1) |" in text
+    assert "ready steps by expected work left" in text
