@@ -41,7 +41,7 @@ from datagen.engine.memory_plan import MemoryPlan, numerics_flags
 from datagen.engine.stats import DispatcherStats
 from datagen.identity import generation_cache_key
 from datagen.layout import RunLayout
-from datagen.pinned import pin_facts
+from datagen.pinned import PinnedFacts, pin_facts
 from datagen.runspec import AUTO_NAMESPACE, QualityGate, RunSpec
 from datagen.settings import Settings
 from datagen.storage import ObjectStore, s3_preflight
@@ -236,6 +236,46 @@ def published_before(store: ObjectStore, spec: RunSpec, layout: RunLayout) -> di
         "already_published": True,
         "message": message,
     }
+
+
+def manifest_lineage(
+    spec: RunSpec,
+    chat: ChatTokenizer,
+    settings: Settings,
+    plan: planning.ShardPlan,
+    tokenized: tokenization.TokenizationSummary,
+    *,
+    first_attempt: PinnedFacts,
+    engine_version: str | None,
+    hardware: Mapping[str, Any],
+    conversations: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """The manifest's lineage, for a run on one box and a run over several (`hardware`: what each records of its
+    GPUs and memory plans, in this order between the engine and the pipeline version).
+
+    `first_attempt`: the run id and name of the run's first attempt, named when another run spec targets this
+    namespace (publishing.refuse_other_run); like the card's, so a re-run publishes the bytes its interrupted
+    attempt claimed. `conversations`: an every-turn run's conversation counts (a `last` run has none).
+    """
+    lineage = {
+        "run_spec": spec.model_dump(mode="json"),
+        "run_id": first_attempt.run_id,
+        "run_name": first_attempt.run_name,
+        "model_path": spec.model_path,
+        "model_fingerprint": chat.fingerprint,
+        "chat_template_hash": chat.template_hash,
+        "engine": settings.engine,
+        "engine_version": engine_version,
+        **hardware,
+        "pipeline_version": datagen.__version__,
+        "plan_sha256": plan.plan_sha256,
+        "rows": tokenized.n_rows,
+        "rejects": tokenized.n_rejects,
+        "rejects_by_reason": tokenized.rejects_by_reason,
+        "skipped_published": plan.n_skipped_published,
+        "old_rejects_skipped": plan.n_old_rejects_skipped,
+    }
+    return lineage | ({"conversations": dict(conversations)} if conversations is not None else {})
 
 
 def finish_dataset(
@@ -561,36 +601,24 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
     )
     clock.mark("validation + tokenization")
     turn_counts = _step_tail(plan, layout).poll() if spec.turns == "every" else None
-    first_attempt = pin_facts(layout.pinned_facts, run_id)  # written by finish_dataset
-    lineage = {
-        "run_spec": spec.model_dump(mode="json"),
-        # Named when another run spec targets this namespace (publishing.refuse_other_run); the first attempt's,
-        # like the card's, so a re-run publishes the bytes its interrupted attempt claimed.
-        "run_id": first_attempt.run_id,
-        "run_name": first_attempt.run_name,
-        "model_path": spec.model_path,
-        "model_fingerprint": chat.fingerprint,
-        "chat_template_hash": chat.template_hash,
-        "engine": settings.engine,
-        "engine_version": generated.engine_version,
-        "gpu": gpu_description,
-        "memory_plan": memory_plan.lineage() if memory_plan else {"skipped": memory_why},
-        "pipeline_version": datagen.__version__,
-        "plan_sha256": plan.plan_sha256,
-        "rows": tokenized.n_rows,
-        "rejects": tokenized.n_rejects,
-        "rejects_by_reason": tokenized.rejects_by_reason,
-        "skipped_published": plan.n_skipped_published,
-        "old_rejects_skipped": plan.n_old_rejects_skipped,
-    } | (
-        # Every turn only (a `last` run's manifest is unchanged): the run's conversation counts, and the published
-        # conversations/ lines and user turns (one row each).
-        {
-            "conversations": turn_counts.summary()
-            | {"published": tokenized.conversations, "published_user_turns": tokenized.turns}
-        }
+    conversations = (  # every turn only (a `last` run's manifest is unchanged)
+        turn_counts.summary() | {"published": tokenized.conversations, "published_user_turns": tokenized.turns}
         if turn_counts is not None
-        else {}
+        else None
+    )
+    lineage = manifest_lineage(
+        spec,
+        chat,
+        settings,
+        plan,
+        tokenized,
+        first_attempt=pin_facts(layout.pinned_facts, run_id),  # written by finish_dataset
+        engine_version=generated.engine_version,
+        hardware={
+            "gpu": gpu_description,
+            "memory_plan": memory_plan.lineage() if memory_plan else {"skipped": memory_why},
+        },
+        conversations=conversations,
     )
     published = publish_dataset(spec, layout, store, lineage, dry_run)
     clock.mark("publish")

@@ -40,13 +40,13 @@ from prefect.futures import PrefectFuture, wait
 from prefect.states import Crashed
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
-import datagen
 from datagen import alerts, failure, paths
 from datagen.chat import ChatTokenizer
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.memory_plan import MemoryPlan, PromptTokens
 from datagen.identity import RequestKeys
 from datagen.layout import RunLayout
+from datagen.pinned import pin_facts
 from datagen.report import dataset_link, quiet_per_shard_completions, run_name
 from datagen.runspec import ExchangeSpec, MultiBoxSpec, RunSpec
 from datagen.settings import Settings
@@ -56,6 +56,7 @@ from flows.expand_dataset import (
     check_environment_task,
     finish_dataset,
     load_gate_task,
+    manifest_lineage,
     memory_plan_task,
     plan_task,
     publish_dataset,
@@ -426,6 +427,7 @@ def _expand_dataset_multibox(spec: RunSpec, boxes: MultiBoxSpec, dry_run: bool) 
         shard_results,
         run_id,
         plan_args_by_box={box: p.get("plan_args", []) for box, p in box_plans.items()},
+        skipped=(plan.n_skipped_published, plan.n_old_rejects_skipped),
     )
     # Every-turn mode: conversations and steps, counted from the collected checkpoint lines.
     turns = (
@@ -438,33 +440,30 @@ def _expand_dataset_multibox(spec: RunSpec, boxes: MultiBoxSpec, dry_run: bool) 
         else None
     )
     conversations = (
-        {
-            "conversations": turns.summary()
-            | {
-                "published": tokenized.conversations,
-                "published_user_turns": tokenized.turns,
-                # Conversations two owners generated differently (a lease taken over mid-conversation): one kept.
-                "generated_twice": sum(len(c.conflicts) for c in collected),
-            }
+        turns.summary()
+        | {
+            "published": tokenized.conversations,
+            "published_user_turns": tokenized.turns,
+            # Conversations two owners generated differently (a lease taken over mid-conversation): one kept.
+            "generated_twice": sum(len(c.conflicts) for c in collected),
         }
         if turns is not None
-        else {}
+        else None
     )
-    lineage = {
-        "run_spec": spec.model_dump(mode="json"),
-        "model_path": spec.model_path,
-        "model_fingerprint": chat.fingerprint,
-        "chat_template_hash": chat.template_hash,
-        "engine": settings.engine,
-        "engine_version": ", ".join(engine_versions) or None,
-        "boxes": {"shards": dict(shards_by_box), "rows": dict(rows_by_box)},
-        "memory_plan": {"by_box": box_plans},
-        "pipeline_version": datagen.__version__,
-        "plan_sha256": plan.plan_sha256,
-        "rows": tokenized.n_rows,
-        "rejects": tokenized.n_rejects,
-        "rejects_by_reason": tokenized.rejects_by_reason,
-    } | conversations
+    lineage = manifest_lineage(
+        spec,
+        chat,
+        settings,
+        plan,
+        tokenized,
+        first_attempt=pin_facts(layout.pinned_facts, run_id),  # written by finish_dataset
+        engine_version=", ".join(engine_versions) or None,
+        hardware={
+            "boxes": {"shards": dict(shards_by_box), "rows": dict(rows_by_box)},
+            "memory_plan": {"by_box": box_plans},
+        },
+        conversations=conversations,
+    )
     published = publish_dataset(spec, layout, store, lineage, dry_run)
     create_link_artifact(
         link=published.uri  # a dry run published nothing: no card to open
@@ -486,7 +485,7 @@ def _expand_dataset_multibox(spec: RunSpec, boxes: MultiBoxSpec, dry_run: bool) 
         "output_tokens": sum(r.output_tokens for r in shard_results),
         "wall_s": round(time.monotonic() - started, 1),
         "dry_run": dry_run,
-    } | conversations
+    } | ({"conversations": conversations} if conversations is not None else {})
     create_markdown_artifact(
         markdown="# Run report\n\n" + "\n".join(f"- **{k}**: {v}" for k, v in report.items()),
         key="run-report",

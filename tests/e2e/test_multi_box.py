@@ -235,6 +235,11 @@ def test_two_boxes_share_a_run_and_a_killed_box_loses_nothing(
     # Each box's own memory plan reached the lineage and the card (before: "memory plan flags: none").
     manifest = json.loads(store.get_bytes(f"{NAMESPACE}/manifest.json"))
     by_box = manifest["lineage"]["memory_plan"]["by_box"]
+    # The lineage names the parent run as a one-box run's names its run (a refusal of another run spec names it),
+    # and the plan's skip counts (before: both left out of a multi-box manifest).
+    lineage = manifest["lineage"]
+    assert (lineage["run_id"], lineage["run_name"]) == (parent_id, run["name"]), lineage
+    assert lineage["skipped_published"] == 0 and lineage["old_rejects_skipped"] == 0
     finished_by = {str(sx.done_marker(s)["box"]) for s in range(N_PROMPTS // 4)}
     assert set(by_box) == finished_by and "box-a" in finished_by
     shape = ModelShape.from_model_dir(model_dir)
