@@ -135,15 +135,15 @@ def test_every_turn_projection_of_a_hand_computed_case(tmp_path: Path) -> None:
     assert "| tool_call_divergence | 1 | 25.0% |" in text and "| steps projected for the full set | 250 |" in text
 
 
-def test_the_decode_simulation_holds_a_slot_for_a_whole_conversation(tmp_path: Path) -> None:
+def test_the_decode_simulation_with_one_slot_runs_every_step_one_after_another(tmp_path: Path) -> None:
     layout, plan, population, summary = _hand_case(tmp_path)
     throughput = {
         "aggregate_tokens_per_s": 100.0, "servers": 1, "step_base_s": 0.01, "step_per_req_s": 0.0,
         "slots_per_server": 1, "ramp_s": 0.0,
     }  # fmt: skip
     p = project(layout, plan, population, summary, throughput, 1, PilotSpec())
-    # One slot, 10 ms a token: a's 100 conversations (60 and 40 tokens, 50 of each) and b's 25 that produce
-    # output (84 tokens each): 7,100 tokens one after another.
+    # One slot, 10 ms a token: the steps of a's 100 conversations (60 and 40 tokens, 50 of each) and of b's 25
+    # that produce output (84 tokens each): 7,100 tokens one after another.
     assert p.projection["wall_s"] == pytest.approx(71.0)
     # The length model (the main run's long-first order) predicts a conversation's total output.
     assert p.length_model.by_source["a"].mean == 50.0 and p.length_model.by_source["b"].mean == 84.0
