@@ -67,12 +67,14 @@ def run_standin(
     args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     log_path: Path | None = None,
-    timeout_s: float = 60.0,
+    timeout_s: float = 240.0,
 ) -> Iterator[ServerEndpoint]:
     """Start `python -m datagen.standin` on 127.0.0.1, wait for /health 200, yield its endpoint, always kill it.
 
     `args` are extra SGLang flags (not --port/--host: use `port`). `env` is added to this process's
     environment (DATAGEN_STANDIN_* knobs). Output goes to `log_path` (a temporary file by default).
+    `timeout_s` is a hang guard, not a speed requirement: on a loaded 2-core box (the suite's 3 processes and a CPU
+    burner beside it) a start took more than 60 s, the old guard, while the stand-in was still loading.
     """
     port = port if port is not None else free_port()
     with ExitStack() as stack:
