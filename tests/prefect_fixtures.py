@@ -575,7 +575,7 @@ def prefect_proxy(server: PrefectServer, state_dir: Path, port: int | None = Non
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # a hang guard: nginx and the server behind it on a loaded box
         while proc.poll() is None and time.monotonic() < deadline:
             with suppress(httpx.HTTPError):
                 if httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2).status_code == 200:
