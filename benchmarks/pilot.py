@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from datagen.chat import ChatTokenizer
-from datagen.endpoints import ServerEndpoint
 from datagen.engine.dispatcher import Dispatcher
+from datagen.engine.endpoints import ServerEndpoint
 from datagen.layout import RunLayout
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.runspec import PromptSource, RunSpec, SamplingSpec
 from datagen.standin.knobs import Knobs
 from datagen.standin.synthetic import SyntheticModel
