@@ -1,6 +1,6 @@
 """Pilot benchmark: does the pilot's projection match the full run, and does long-first beat FIFO dispatch?
 
-    python -m benchmarks.pilot --out pilot.json
+    python -m benchmarks.pilot --out pilot.json [--turns every]
 
 On stand-in servers: a pilot (seeded sample, stratified by source) projects output tokens and wall time for the
 full set; then the full set runs three times on the same servers and prompts: FIFO (file order), long-first
@@ -14,6 +14,10 @@ with the stand-in's own `SyntheticModel` for candidate prompts and keeps, per ca
 length falls in that category's band (short / medium / long). The prompt set thus has a per-category length
 structure, as real data does (math proofs run long, greetings short), with spread inside each category; the
 predictor sees only source, category and prompt length, never the hash.
+
+`--turns every`: the prompts are `benchmarks.conversations`' plain conversations (1-5 user turns) and every run
+uses `turns: every`; the main runs name the pilot, so the shard driver ranks conversations by the pilot's lengths
+(as the projection's chain simulation assumes), and FIFO means plan order in the file's order.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.conversations import workload
 from datagen.chat import ChatTokenizer
+from datagen.checks.repetition import word_tokens
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.endpoints import ServerEndpoint
 from datagen.layout import RunLayout
@@ -43,7 +49,7 @@ from datagen.standin.synthetic import SyntheticModel
 from datagen.standin.testing import run_standin
 from tasks.generation import ShardResult, generate_shard
 from tasks.ordering import LengthModel, long_first_filter
-from tasks.pilot import PilotSpec, ThroughputProbe, import_pilot, plan_pilot, project
+from tasks.pilot import PilotSpec, ThroughputProbe, import_pilot, plan_pilot, project, write_projection
 from tasks.planning import ShardPlan, plan_shards
 from tasks.validation import validate_shards
 
@@ -80,6 +86,15 @@ def _write_prompts(chat: ChatTokenizer, knobs: Knobs, out_dir: Path, n: int, see
         path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
         sources.append(PromptSource(path=str(path), category_field="category"))
     return sources
+
+
+def _write_conversations(out_dir: Path, n: int, seed: int) -> list[PromptSource]:
+    """One source of plain multi-turn conversations (`benchmarks.conversations.workload`), recorded as files hold
+    them."""
+    path = out_dir / "plain.jsonl"
+    rows = [{"messages": [m.to_dict() for m in p.messages]} for p in workload("plain", n, seed)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return [PromptSource(path=str(path))]
 
 
 def _generate(
@@ -119,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--no-metrics", action="store_true", help="servers without --enable-metrics (the pilot reads /v1/loads)"
     )
+    ap.add_argument("--turns", choices=("last", "every"), default="last", help="every: plain conversations")
     args = ap.parse_args(argv)
     # Killed with SIGTERM (timeout, another engineer's cleanup): unwind, so the stand-in servers are stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -139,15 +155,20 @@ def main(argv: list[str] | None = None) -> int:
     per_server = args.slots * 1000.0 / ((args.step_base_ms + args.step_per_req_ms * args.slots) * args.time_scale)
     ideal = per_server * args.servers
     chat = ChatTokenizer.from_model_dir(ensure_model_dir())
+    word_tokens(chat)  # validation's word table, built once per process: not part of the pilot's ramp
     with contextlib.ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-pilot-")))
-        sources = _write_prompts(chat, Knobs.from_env(env), work, args.prompts, seed=1)
+        if args.turns == "every":
+            sources = _write_conversations(work, args.prompts, seed=1)
+        else:
+            sources = _write_prompts(chat, Knobs.from_env(env), work, args.prompts, seed=1)
         spec = RunSpec(
             sources=sources,
             model_path=str(chat.model_dir),
             shard_size=args.shard_size,
             sampling=SamplingSpec(max_new_tokens=8192),
-            turns="last",  # the measured figures (benchmarks/README.md) are of single-turn requests
+            context_length=65536,
+            turns=args.turns,
         )
         endpoints = [
             stack.enter_context(
@@ -175,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
             pilot_layout, pilot_plan, population, summary, pilot_run["throughput"], args.servers, pilot_spec
         )
         model: LengthModel = projection.length_model
+        if args.turns == "every":  # the driver ranks conversations by the pilot's lengths (`pilot_step_tokens`)
+            write_projection(pilot_layout, projection)
+            spec = spec.model_copy(update={"pilot": "pilot"})
 
         fifo_layout = RunLayout(work / "fifo")
         _, fifo = _generate(endpoints, chat, spec, fifo_layout, plan_shards(spec, fifo_layout), args.workers)

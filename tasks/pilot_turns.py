@@ -50,6 +50,7 @@ __all__ = [
     "measure",
     "measure_completions",
     "measure_conversations",
+    "recorded_kinds",
     "repeat_counts",
     "step_kind",
     "turn_report",

@@ -164,6 +164,10 @@ def test_every_turn_pilot_measures_conversations_and_the_main_run_reuses_their_s
     assert convs["conversations"] == convs["finished"] == 8 == sum(convs["outcomes"].values())
     assert convs["steps"] > convs["conversations"] and convs["user_turns"] > convs["conversations"]
     assert result["projection"]["steps"] > 26
+    # Step lengths per kind (tool rounds among them: the stand-in calls), and the wall simulated on chains.
+    assert result["step_model"]["by_kind"]["first_turn"]["n"] == 8
+    assert sum(k["n"] for k in result["step_model"]["by_kind"].values()) == convs["steps"]
+    assert result["projection"]["policy"] == "expected_work_left"
     work = Path(pipeline_env["DATAGEN_WORK_DIR"])
     pilot_root = RunLayout.for_run(work, "pt").root
     assert "## Per turn" in (pilot_root / PILOT_MARKDOWN).read_text()

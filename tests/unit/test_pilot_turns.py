@@ -17,7 +17,7 @@ from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Completion, Message, Prompt, Reject
 from datagen.runspec import PromptSource, RunSpec
 from tasks.pilot import PilotPopulation, PilotSpec, import_pilot, project, render_projection
-from tasks.pilot_turns import conversation_key, user_turns
+from tasks.pilot_turns import StepModel, conversation_key, recorded_kinds, step_kind, user_turns
 from tasks.planning import ShardEntry, ShardPlan, plan_shards
 from tasks.selection import SelectionReport
 
@@ -135,15 +135,15 @@ def test_every_turn_projection_of_a_hand_computed_case(tmp_path: Path) -> None:
     assert "| tool_call_divergence | 1 | 25.0% |" in text and "| steps projected for the full set | 250 |" in text
 
 
-def test_the_decode_simulation_holds_a_slot_for_a_whole_conversation(tmp_path: Path) -> None:
+def test_the_decode_simulation_with_one_slot_runs_every_step_one_after_another(tmp_path: Path) -> None:
     layout, plan, population, summary = _hand_case(tmp_path)
     throughput = {
         "aggregate_tokens_per_s": 100.0, "servers": 1, "step_base_s": 0.01, "step_per_req_s": 0.0,
         "slots_per_server": 1, "ramp_s": 0.0,
     }  # fmt: skip
     p = project(layout, plan, population, summary, throughput, 1, PilotSpec())
-    # One slot, 10 ms a token: a's 100 conversations (60 and 40 tokens, 50 of each) and b's 25 that produce
-    # output (84 tokens each): 7,100 tokens one after another.
+    # One slot, 10 ms a token: the steps of a's 100 conversations (60 and 40 tokens, 50 of each) and of b's 25
+    # that produce output (84 tokens each): 7,100 tokens one after another.
     assert p.projection["wall_s"] == pytest.approx(71.0)
     # The length model (the main run's long-first order) predicts a conversation's total output.
     assert p.length_model.by_source["a"].mean == 50.0 and p.length_model.by_source["b"].mean == 84.0
@@ -278,3 +278,36 @@ def test_the_every_turn_wall_is_simulated_on_chains_ranked_by_expected_work_left
     text = render_projection(p)
     assert "| output tokens per step, later user turns: mean / p90 (steps) | 10.0 / 10 (1) |" in text
     assert "ready steps by expected work left" in text
+
+
+def test_the_step_model_knows_tool_rounds_and_falls_back_to_coarser_means() -> None:
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": '{"sky": "rain"}'},
+        {"role": "assistant", "content": "Rain."},
+        {"role": "user", "content": "And tomorrow?"},
+        {"role": "assistant", "content": "Also rain."},
+    ]
+    prompt = Prompt("w", "s", 0, [Message.from_dict(m) for m in messages], category="travel", tools=[tool])
+    # The first turn's call, its continuation after the result, the second turn's answer.
+    assert recorded_kinds(prompt) == ("first_turn", "tool_round", "later_turn")
+    assert step_kind(0, True) == "first_turn" and step_kind(3, True) == "later_turn"
+    assert step_kind(0, False) == step_kind(2, False) == "tool_round"
+    model = StepModel.fit(
+        [("travel", "first_turn", 20)] * 5 + [("travel", "tool_round", 300)] * 5 + [("chat", "later_turn", 100)] * 10
+    )
+    assert model.global_mean == 130.0
+    # Shrinkage (5 pseudo-samples): first turns (20 x 5) -> 75 overall; travel's own five pull it back to 47.5.
+    assert model.mean("travel", "first_turn") == pytest.approx((5 * 20 + 5 * 75) / 10)
+    assert model.mean("other", "first_turn") == pytest.approx(75.0)  # a category it never saw: the kind's mean
+    assert model.mean(None, "later_turn") == pytest.approx((10 * 100 + 5 * 130) / 15)
+    assert model.expected(prompt) == (
+        model.mean("travel", "first_turn"),
+        model.mean("travel", "tool_round"),
+        model.mean("travel", "later_turn"),
+    )
+    with pytest.raises(ValueError, match="at least one step"):
+        StepModel.fit([])
