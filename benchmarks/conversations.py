@@ -38,13 +38,13 @@ from typing import Any
 from benchmarks.generation import _phases, run_shards
 from datagen.chat import ChatTokenizer
 from datagen.checkpoint import read_rows
-from datagen.endpoints import ServerEndpoint
+from datagen.checks.repetition import word_tokens
+from datagen.conversation.regeneration import Script, split_step_key
+from datagen.engine.endpoints import ServerEndpoint
 from datagen.identity import RequestKeys, prompt_id_from_messages
 from datagen.layout import RunLayout
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Message, Prompt
-from datagen.regeneration import Script, split_step_key
-from datagen.repetition import word_tokens
 from datagen.runspec import RunSpec, SamplingSpec
 from datagen.standin.testing import run_standin
 from tasks.chains import POLICIES, Chain, ChainRun, DecodeModel, simulate_chains

@@ -45,19 +45,19 @@ from typing import Any
 import httpx
 
 from datagen.chat import ChatTokenizer
-from datagen.endpoints import ServerEndpoint
 from datagen.engine.dispatcher import Dispatcher
+from datagen.engine.endpoints import ServerEndpoint
 from datagen.engine.stats import DispatcherStats
 from datagen.identity import preparer_for, prompt_id_from_messages
 from datagen.layout import RunLayout
-from datagen.model_fixture import ensure_model_dir
-from datagen.preparation import Preparer, write_rendered
+from datagen.local.model_fixture import ensure_model_dir
+from datagen.publishing.storage import sha256_file
 from datagen.records import Prompt
 from datagen.runspec import RunSpec, SamplingSpec
+from datagen.sources.preparation import Preparer, write_rendered
 from datagen.standin.knobs import Knobs
 from datagen.standin.synthetic import SyntheticModel
 from datagen.standin.testing import run_standin
-from datagen.storage import sha256_file
 from tasks.chains import Chain, DecodeModel, simulate_chains
 from tasks.generation import ShardResult, generate_shard
 from tasks.ordering import LengthModel, LengthSample, prompt_chars
@@ -341,8 +341,9 @@ def _write_shards(
 ) -> int:
     """Cut `prompts`, in their order, into shards of `per_shard`; return how many were written.
 
-    With `prepare`, each shard also gets planning's render cache (datagen.preparation), as `tasks.planning` writes
-    it, so generation sends the ids rendered at planning instead of rendering every prompt again.
+    With `prepare`, each shard also gets planning's render cache (datagen.sources.preparation), as
+    `tasks.planning` writes it, so generation sends the ids rendered at planning
+    instead of rendering every prompt again.
     """
     it = iter(prompts)
     written = 0

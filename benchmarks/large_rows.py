@@ -102,11 +102,11 @@ WORDS = [
 def _child(path: str, limit: int) -> dict[str, float | str]:
     from datagen.chat import ChatTokenizer
     from datagen.identity import PromptIdentity
-    from datagen.model_fixture import ensure_model_dir
-    from datagen.preparation import Preparer
-    from datagen.prompts import iter_prompts
+    from datagen.local.model_fixture import ensure_model_dir
     from datagen.records import Reject
     from datagen.runspec import PromptSource
+    from datagen.sources.preparation import Preparer
+    from datagen.sources.prompts import iter_prompts
 
     chat = ChatTokenizer.shared(ensure_model_dir())
     _ = chat.max_token_bytes  # computed once per tokenizer, not part of a row's cost

@@ -38,11 +38,11 @@ from typing import Any
 
 from benchmarks.conversations import workload
 from datagen.chat import ChatTokenizer
-from datagen.endpoints import ServerEndpoint
+from datagen.checks.repetition import word_tokens
 from datagen.engine.dispatcher import Dispatcher
+from datagen.engine.endpoints import ServerEndpoint
 from datagen.layout import RunLayout
-from datagen.model_fixture import ensure_model_dir
-from datagen.repetition import word_tokens
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.runspec import PromptSource, RunSpec, SamplingSpec
 from datagen.standin.knobs import Knobs
 from datagen.standin.synthetic import SyntheticModel

@@ -23,9 +23,9 @@ from pathlib import Path
 from datagen.chat import ChatTokenizer
 from datagen.identity import PromptIdentity
 from datagen.layout import RunLayout
-from datagen.model_fixture import ensure_model_dir
-from datagen.preparation import read_rendered
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.runspec import PromptSource, RunSpec
+from datagen.sources.preparation import read_rendered
 from tasks.generation import read_prompts
 from tasks.planning import plan_shards
 

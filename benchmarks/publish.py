@@ -25,8 +25,8 @@ import boto3
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from datagen.localstack import LocalS3, find_weed
-from datagen.storage import ObjectStore
+from datagen.local.localstack import LocalS3, find_weed
+from datagen.publishing.storage import ObjectStore
 from tasks.publishing import publish
 
 __all__ = ["main", "make_shards"]

@@ -285,9 +285,10 @@ def _time_glue() -> dict[str, float]:
     from prefect.context import TaskRunContext
 
     import flows.expand_dataset as fx
-    from datagen import catalog, report
     from datagen.chat import ChatTokenizer
     from datagen.engine.dispatcher import Dispatcher
+    from datagen.operations import report
+    from datagen.publishing import catalog
     from tasks import finishing, ordering, provisioning
 
     seconds: dict[str, float] = {}
@@ -435,8 +436,8 @@ def _stages(task_runs: list[dict[str, Any]], sampler: TreeSampler) -> dict[str, 
 
 
 def _s3_bytes(settings_env: dict[str, str], namespace: str) -> dict[str, int]:
+    from datagen.publishing.storage import ObjectStore
     from datagen.settings import Settings
-    from datagen.storage import ObjectStore
 
     saved = {k: os.environ.get(k) for k in settings_env}
     os.environ.update(settings_env)
@@ -503,7 +504,7 @@ def _loadavg() -> list[float]:
 
 def run_once(n: int, mode: str, s3: Any, root: Path, servers: int, shard_size: int) -> dict[str, Any]:
     """One measured flow run at `n` prompts on `mode` Prefect ('embedded' or 'server')."""
-    from datagen.model_fixture import ensure_model_dir
+    from datagen.local.model_fixture import ensure_model_dir
 
     run_dir = root / f"{mode}-{n}"
     run_dir.mkdir(parents=True)
@@ -824,7 +825,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.merge:
         results.extend(json.loads(path.read_text())["runs"])
     if args.prompts:
-        from datagen.localstack import LocalS3
+        from datagen.local.localstack import LocalS3
 
         modes = ["embedded", "server"] if args.prefect == "both" else [args.prefect]
         root = Path(tempfile.mkdtemp(prefix="datagen-scale-"))

@@ -25,7 +25,7 @@ import tokenizers
 
 from datagen.chat import IM_END_ID, ChatTokenizer
 from datagen.identity import prompt_id_from_messages
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Completion, Message
 from tasks.tokenization import tokenize_accepted
 

@@ -105,7 +105,7 @@ class ChatTokenizer:
 
     @property
     def backend(self) -> Any:
-        """The Rust `tokenizers.Tokenizer` (its normalizer and pre-tokenizer; see datagen.prompt_view)."""
+        """The Rust `tokenizers.Tokenizer` (its normalizer and pre-tokenizer; see datagen.sources.prompt_view)."""
         return self._fast
 
     @property

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from datagen.diskspace import full_disk_message
+from datagen.operations.diskspace import full_disk_message
 
 __all__ = [
     "CheckpointAppender",

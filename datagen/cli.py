@@ -127,8 +127,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except Exception as exc:
         if args.verbose:
             raise
-        from datagen.failure import reason
-        from datagen.quality import QualityGateError
+        from datagen.checks.quality import QualityGateError
+        from datagen.operations.failure import reason
         from datagen.settings import Settings
 
         if isinstance(exc, QualityGateError) and exc.report:
@@ -172,11 +172,11 @@ def summary_text(report: dict[str, Any]) -> str:
 def _cmd_check(args: argparse.Namespace) -> int:
     _apply_env_file(args)
     spec = load_spec(args.config, args.set)
-    from datagen.catalog import next_expansion_namespace
     from datagen.paths import secure_run
+    from datagen.publishing.catalog import next_expansion_namespace
+    from datagen.publishing.storage import ObjectStore, StorageError, s3_preflight
     from datagen.runspec import AUTO_NAMESPACE
     from datagen.settings import Settings
-    from datagen.storage import ObjectStore, StorageError, s3_preflight
     from tasks.environment import format_report, run_checks
 
     settings = Settings()
@@ -205,8 +205,8 @@ def _free_port() -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     """Run the whole pipeline on the bundled prompts: local S3, stand-in servers, embedded Prefect."""
     _quiet_prefect_defaults()
-    from datagen import localstack
-    from datagen.model_fixture import ensure_model_dir
+    from datagen.local import localstack
+    from datagen.local.model_fixture import ensure_model_dir
     from datagen.runspec import PromptSource, RunSpec
 
     model_dir = ensure_model_dir()
@@ -253,8 +253,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_abandon(args: argparse.Namespace) -> int:
     """Mark a namespace whose publish can never be finished as abandoned (adds one marker object)."""
+    from datagen.publishing.storage import ObjectStore, StorageError
     from datagen.settings import Settings
-    from datagen.storage import ObjectStore, StorageError
     from tasks.publishing import PublishError, abandon
 
     store = ObjectStore.from_settings(Settings())
@@ -271,12 +271,12 @@ def _cmd_abandon(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from datagen.inspection import inspect_namespace, list_namespaces
+    from datagen.operations.inspection import inspect_namespace, list_namespaces
+    from datagen.publishing.storage import ObjectStore
     from datagen.settings import Settings
-    from datagen.storage import ObjectStore
 
     if args.state_dir is not None:
-        from datagen import localstack
+        from datagen.local import localstack
 
         if "DATAGEN_S3_ENDPOINT_URL" not in os.environ and localstack.is_running(args.state_dir):
             os.environ.update(localstack.start(args.state_dir).env())
@@ -288,7 +288,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print(list_namespaces(store))
         return 0
     if args.conversation is not None:
-        from datagen.conversation_view import find_conversation, render_conversation
+        from datagen.conversation.view import find_conversation, render_conversation
 
         wanted = args.conversation or None  # a bare --conversation: the first one
         found = find_conversation(store, args.namespace, wanted)
@@ -343,8 +343,8 @@ def _cmd_laptop(args: argparse.Namespace) -> int:
     """Set up a worker environment on a laptop: local S3, fixture model, stand-in settings, a run spec."""
     import json
 
-    from datagen import localstack
-    from datagen.model_fixture import ensure_model_dir
+    from datagen.local import localstack
+    from datagen.local.model_fixture import ensure_model_dir
     from datagen.runspec import RunSpec
 
     out: Path = args.out
@@ -376,13 +376,13 @@ def _cmd_laptop(args: argparse.Namespace) -> int:
 
 def _cmd_pin(args: argparse.Namespace) -> int:
     """Pin the pool's job template and its deployments on this box (or check them against the pin)."""
-    from datagen.deploy_pin import default_pin_path, pin_command
+    from datagen.operations.deploy_pin import default_pin_path, pin_command
 
     return pin_command(args.pool, args.file or default_pin_path(), args.check)
 
 
 def _cmd_stack(args: argparse.Namespace) -> int:
-    from datagen import localstack
+    from datagen.local import localstack
 
     if args.action == "up":
         info = localstack.start(args.state_dir)
@@ -396,7 +396,7 @@ def _cmd_stack(args: argparse.Namespace) -> int:
 
 
 def _cmd_fixture(args: argparse.Namespace) -> int:
-    from datagen.model_fixture import ensure_model_dir
+    from datagen.local.model_fixture import ensure_model_dir
 
     print(ensure_model_dir(args.out))
     return 0

@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from datagen.chat import ChatTokenizer, Tools
-from datagen.preparation import Preparer, Unsendable
-from datagen.prompt_view import PromptView
+from datagen.conversation.regeneration import Script
 from datagen.records import Message, Prompt
-from datagen.regeneration import Script
 from datagen.runspec import RunSpec, SamplingSpec
+from datagen.sources.preparation import Preparer, Unsendable
+from datagen.sources.prompt_view import PromptView
 
 __all__ = [
     "IdentityError",
@@ -143,8 +143,8 @@ class PromptIdentity:
 
 
 def _first_request(messages: list[Message]) -> list[Message]:
-    """Every turn's first request (`datagen.regeneration.Regenerator.first`): the conversation's head and its first
-    user turn; raises Unsendable when it has no user query."""
+    """Every turn's first request (`datagen.conversation.regeneration.Regenerator.first`): the conversation's
+    head and its first user turn; raises Unsendable when it has no user query."""
     script = Script.of(Prompt(prompt_id="", source="", row=0, messages=messages))
     return [*script.head, *script.turns[0].opening]
 

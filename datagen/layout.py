@@ -49,7 +49,7 @@ class RunLayout:
 
     @property
     def pinned_facts(self) -> Path:
-        """The first attempt's run id and time (datagen.pinned): every re-attempt publishes the same card."""
+        """The first attempt's run id and time (datagen.publishing.pinned): every re-attempt publishes the same card."""
         return self.root / "pinned-facts.json"
 
     @property

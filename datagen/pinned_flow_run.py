@@ -3,7 +3,7 @@
     PREFECT__FLOW_RUN_ID=<id> python -m datagen.pinned_flow_run
 
 This is `python -m prefect.engine` with one difference: the flow is loaded from the pin file on the box
-(datagen/deploy_pin.py), after checking once more that the API's deployment still matches it (it may have
+(datagen/operations/deploy_pin.py), after checking once more that the API's deployment still matches it (it may have
 changed between the worker's check and this process's start). The pull steps run are the pinned ones.
 """
 
@@ -29,7 +29,7 @@ def main() -> int:
     from prefect.logging.loggers import flow_run_logger
     from prefect.utilities.asyncutils import run_coro_as_sync
 
-    from datagen.deploy_pin import PinMismatch, default_pin_path, deployment_changes, read_pin
+    from datagen.operations.deploy_pin import PinMismatch, default_pin_path, deployment_changes, read_pin
 
     flow_run_id = UUID(os.environ["PREFECT__FLOW_RUN_ID"])
     configure_from_env()

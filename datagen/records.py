@@ -158,7 +158,7 @@ class Prompt:
     # None when the text was already so. Carried to the completion and the training row.
     normalized: str | None = None
     # The rendered prompt's token ids when the loader rendered it (for its id): held in memory only, never in
-    # the JSON line; planning writes them beside the shard (datagen.preparation) so generation need not render.
+    # the JSON line; planning writes them beside the shard (datagen.sources.preparation) so generation need not render.
     input_ids: array[int] | None = field(default=None, repr=False, compare=False)
     # The functions the conversation may call (OpenAI function schemas, as the row or its source gives them):
     # passed to the chat template as `tools=` wherever the prompt is rendered. None: the row declares none.
@@ -233,7 +233,8 @@ class Completion:
     location: str | None = None  # the input row (see Prompt.location)
     normalized: str | None = None  # see Prompt.normalized
     tools: list[dict[str, Any]] | None = None  # the prompt's tools (see Prompt.tools): its render needs them
-    # The calls the model made in its answer (datagen.toolcalls parses them from `text`); None: it made none.
+    # The calls the model made in its answer (datagen.conversation.toolcalls parses them from `text`); None: it
+    # made none.
     tool_calls: list[ToolCall] | None = None
     # Every-turn mode (docs/conversations.md); None in `last` mode, so its lines are unchanged.
     step: int | None = None  # 0-based index of this generation within the conversation

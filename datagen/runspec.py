@@ -11,15 +11,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
-from datagen.form_schema import json_box, optional_fields_as_plain_inputs
-from datagen.tuning import check_server_args
+from datagen.checks.tuning import check_server_args
+from datagen.operations.form_schema import json_box, optional_fields_as_plain_inputs
 
 __all__ = ["AUTO_NAMESPACE", "PromptSource", "QualityGate", "RunSpec", "SamplingSpec", "Target", "ValidationSpec"]
 
 AUTO_NAMESPACE = "auto"  # RunSpec.namespace value: the flow picks the next free `expansion_vN`
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # Reasons of the rejects the prompt catalog lists (stages generate, validate, tokenize; load rejects have no
-# prompt id and are always read again). Kept in step with tasks.generation, datagen.quality.VALIDATION_REASONS
+# prompt id and are always read again). Kept in step with tasks.generation, datagen.checks.quality.VALIDATION_REASONS
 # and tasks.tokenization.TOKENIZE_REASONS (tests/e2e/test_expansion.py checks).
 RETRYABLE_REASONS = frozenset(
     {
@@ -293,7 +293,8 @@ class RunSpec(BaseModel):
         title="Advanced: Served Model Name",
         description="Name the servers report: letters, digits, . _ / - (no ':', no spaces).",
     )
-    # One JSON box each in the form (datagen.form_schema): 17 thresholds drawn field by field were a quarter of it.
+    # One JSON box each in the form (datagen.operations.form_schema): 17 thresholds drawn field by field were a
+    # quarter of it.
     validation: Annotated[ValidationSpec, WithJsonSchema(json_box(ValidationSpec))] = Field(
         default_factory=ValidationSpec,
         title="Advanced: Validation",

@@ -3,8 +3,8 @@
     python -m datagen.worker --pool gpu-box-1 --name gpu-worker-a [--work-queue box-a] [--limit 1]
 
 Before a flow run executes anything, the worker reads the run's deployment and the work pool from the API and
-compares them with the pin file (`datagen pin`, datagen/deploy_pin.py): a change made through the API since the
-pin fails the run, naming what changed, and nothing of the changed definition runs. A run that matches starts
+compares them with the pin file (`datagen pin`, datagen/operations/deploy_pin.py): a change made through the API
+since the pin fails the run, naming what changed, and nothing of the changed definition runs. A run that matches starts
 `python -m datagen.pinned_flow_run` (the worker's fixed command; no template or job variable can give it another),
 which runs the PINNED pull steps and entrypoint. Its environment is the worker's, minus the secrets its flow does
 not need (`flow_run_env`). Why these hooks: docs/security.md, "The worker runs only what the operator pinned".
@@ -30,7 +30,7 @@ from prefect.states import Failed
 from prefect.utilities.processutils import command_to_string
 from prefect.workers.process import ProcessJobConfiguration, ProcessWorker, ProcessWorkerResult
 
-from datagen.deploy_pin import (
+from datagen.operations.deploy_pin import (
     DeploymentPin,
     PinFile,
     PinMismatch,

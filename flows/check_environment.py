@@ -6,10 +6,11 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from datagen import alerts, failure, paths, report
+from datagen import paths
+from datagen.operations import alerts, failure, report
+from datagen.publishing.storage import ObjectStore, s3_preflight
 from datagen.runspec import RunSpec
 from datagen.settings import Settings
-from datagen.storage import ObjectStore, s3_preflight
 from tasks import environment
 
 __all__ = ["check_environment"]

@@ -30,10 +30,10 @@ from prefect.states import Completed
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 import datagen
-from datagen import alerts, catalog, diskspace, failure, paths, report
+from datagen import paths
 from datagen.chat import ChatTokenizer
 from datagen.checks import CheckResult
-from datagen.dataset_card import Lineage, write_dataset_card
+from datagen.conversation.turn_stats import StepTail
 from datagen.engine import plan_trial
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.launcher import ServerFleet
@@ -41,11 +41,13 @@ from datagen.engine.memory_plan import MemoryPlan, numerics_flags
 from datagen.engine.stats import DispatcherStats
 from datagen.identity import generation_cache_key
 from datagen.layout import RunLayout
-from datagen.pinned import PinnedFacts, pin_facts
+from datagen.operations import alerts, diskspace, failure, report
+from datagen.publishing import catalog
+from datagen.publishing.dataset_card import Lineage, write_dataset_card
+from datagen.publishing.pinned import PinnedFacts, pin_facts
+from datagen.publishing.storage import ObjectStore, s3_preflight
 from datagen.runspec import AUTO_NAMESPACE, QualityGate, RunSpec
 from datagen.settings import Settings
-from datagen.storage import ObjectStore, s3_preflight
-from datagen.turn_stats import StepTail
 from tasks import (
     environment,
     finishing,
@@ -124,8 +126,8 @@ def _generate_shard(
 def retry_unless_disk_full(task: object, task_run: object, state: State[Any]) -> bool:
     """Prefect's retry condition of every retried task: a full disk is not retried (waiting does not free it).
 
-    The run then fails at once and its reason names the path (datagen.failure, datagen.diskspace), instead of
-    failing the same way after 70 s of retry delays.
+    The run then fails at once and its reason names the path (datagen.operations.failure,
+    datagen.operations.diskspace), instead of failing the same way after 70 s of retry delays.
     """
     return not (isinstance(state.data, BaseException) and diskspace.full_disk(state.data) is not None)
 

@@ -40,18 +40,19 @@ from prefect.futures import PrefectFuture, wait
 from prefect.states import Crashed
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
-from datagen import alerts, failure, paths
+from datagen import paths
 from datagen.chat import ChatTokenizer
+from datagen.conversation.turn_stats import StepTail
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.memory_plan import MemoryPlan, PromptTokens
 from datagen.identity import RequestKeys
 from datagen.layout import RunLayout
-from datagen.pinned import pin_facts
-from datagen.report import dataset_link, quiet_per_shard_completions, run_name
+from datagen.operations import alerts, failure
+from datagen.operations.report import dataset_link, quiet_per_shard_completions, run_name
+from datagen.publishing.pinned import pin_facts
+from datagen.publishing.storage import ObjectStore, s3_preflight
 from datagen.runspec import ExchangeSpec, MultiBoxSpec, RunSpec
 from datagen.settings import Settings
-from datagen.storage import ObjectStore, s3_preflight
-from datagen.turn_stats import StepTail
 from flows.expand_dataset import (
     check_environment_task,
     finish_dataset,

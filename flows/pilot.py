@@ -17,15 +17,16 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
-from datagen import alerts, failure, paths, report
-from datagen.catalog import published_prompt_ids, repair
+from datagen import paths
 from datagen.chat import ChatTokenizer
+from datagen.checks.repetition import word_tokens
 from datagen.engine import plan_trial
 from datagen.layout import RunLayout
-from datagen.repetition import word_tokens
+from datagen.operations import alerts, failure, report
+from datagen.publishing.catalog import published_prompt_ids, repair
+from datagen.publishing.storage import ObjectStore
 from datagen.runspec import AUTO_NAMESPACE, RunSpec
 from datagen.settings import Settings
-from datagen.storage import ObjectStore
 from flows.expand_dataset import (
     SHARDS_IN_FLIGHT,
     check_environment_task,

@@ -40,19 +40,19 @@ python_bin="$(dirname "$prefect_bin")/python"
 [ -x "$python_bin" ] || python_bin=python3
 if [ -n "${DATAGEN_DEPLOY_RUN_SPEC:-}" ]; then
   # Right after `prefect deploy` reset each deployment's parameters to prefect.yaml's: theirs win over the file's.
-  "$python_bin" -m datagen.deploy_defaults "$DATAGEN_DEPLOY_RUN_SPEC"
+  "$python_bin" -m datagen.operations.deploy_defaults "$DATAGEN_DEPLOY_RUN_SPEC"
 fi
 # What this box's worker may run, as just deployed (docs/security.md). Another box runs `datagen pin` itself.
 "$python_bin" -m datagen.cli pin --pool "$pool"
 if [ -n "${DATAGEN_ALERT_WEBHOOK_URL:-}" ] || [ -n "${DATAGEN_ALERT_BLOCK:-}" ]; then
   if [ -n "${DATAGEN_ALERT_WEBHOOK_URL:-}" ]; then
-    "$python_bin" -m datagen.alerts install --webhook-url "$DATAGEN_ALERT_WEBHOOK_URL"
+    "$python_bin" -m datagen.operations.alerts install --webhook-url "$DATAGEN_ALERT_WEBHOOK_URL"
   else
-    "$python_bin" -m datagen.alerts install --block "$DATAGEN_ALERT_BLOCK"
+    "$python_bin" -m datagen.operations.alerts install --block "$DATAGEN_ALERT_BLOCK"
   fi
 elif [ -n "${DATAGEN_ALERT_LOG_DIR:-}" ]; then
   # A laptop (laptop.sh): a listener on loopback writes each alert as a line of $DATAGEN_ALERT_LOG_DIR/alerts.log.
-  "$python_bin" -m datagen.alert_log start --state-dir "$DATAGEN_ALERT_LOG_DIR"
+  "$python_bin" -m datagen.operations.alert_log start --state-dir "$DATAGEN_ALERT_LOG_DIR"
 else
   echo "deploy.sh: no DATAGEN_ALERT_WEBHOOK_URL / DATAGEN_ALERT_BLOCK: failed runs notify nobody (infra/DEPLOY.md, section 7)"
 fi

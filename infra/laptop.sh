@@ -7,7 +7,7 @@
 # PREFECT_API_AUTH_STRING). The local server's auth string is generated once into .datagen/prefect-auth (0600):
 # the worker uses it through the proxy (infra/prefect-proxy.sh, port 4300), where people log in with the
 # runner or operator credential in .datagen/prefect-proxy/credentials/. Ctrl-C stops the worker;
-# `bash infra/prefect-server.sh stop`, `bash infra/prefect-proxy.sh stop`, `.venv/bin/python -m datagen.alert_log stop` and `.venv/bin/datagen stack down`
+# `bash infra/prefect-server.sh stop`, `bash infra/prefect-proxy.sh stop`, `.venv/bin/python -m datagen.operations.alert_log stop` and `.venv/bin/datagen stack down`
 # stop the rest. Failed runs: .datagen/laptop/alerts.log, one line each (with the local server).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Local S3 (SeaweedFS `weed mini`) on 127.0.0.1 with credentials enforced: a thin wrapper around
-# `python -m datagen.localstack`. Usage: infra/s3-local.sh start|stop|status [--state-dir DIR] [--port N]
+# `python -m datagen.local.localstack`. Usage: infra/s3-local.sh start|stop|status [--state-dir DIR] [--port N]
 # After `start`, `source "$STATE_DIR/s3.env"` sets DATAGEN_S3_* for the pipeline.
 set -euo pipefail
 
@@ -19,4 +19,4 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
-exec "$python" -m datagen.localstack "$command" --state-dir "$state_dir" "${args[@]}"
+exec "$python" -m datagen.local.localstack "$command" --state-dir "$state_dir" "${args[@]}"

@@ -22,9 +22,9 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from datagen.chat import ChatTokenizer
+from datagen.checks.quality import ValidationSummary
+from datagen.checks.repetition import word_tokens
 from datagen.layout import RunLayout
-from datagen.quality import ValidationSummary
-from datagen.repetition import word_tokens
 from datagen.runspec import RunSpec
 from tasks.generation import ShardResult
 from tasks.tokenization import StreamingTokenizer, TokenizationSummary

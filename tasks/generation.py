@@ -3,7 +3,7 @@
 The shard's two checkpoint files (datagen.checkpoint: JSON lines of `Completion` and `Reject`) are an
 exactly-once ledger keyed by `request_key`: a rerun reads them, skips every request already settled and sends
 only the rest. Results are written to the OS as they arrive and fsync'd at least every `flush_interval_s`, so a
-crash loses at most the requests in flight. Token ids come from planning's render (datagen.preparation), so a
+crash loses at most the requests in flight. Token ids come from planning's render (datagen.sources.preparation), so a
 prompt is rendered once per run. The stage returns a small `ShardResult` (paths, counts, checksum), never the data.
 
 A shard keeps no window of its own: it hands requests to the box's one `Dispatcher`, whose `submit` blocks
@@ -24,9 +24,9 @@ from datagen.engine.client import GenerateResult, sampling_params_for
 from datagen.engine.dispatcher import Dispatcher, GenerateJob, SubmitTimeout
 from datagen.identity import RequestKeys, preparer_for
 from datagen.layout import RunLayout
-from datagen.preparation import Unsendable, read_rendered
 from datagen.records import Prompt
 from datagen.runspec import RunSpec
+from datagen.sources.preparation import Unsendable, read_rendered
 from tasks.generation_turns import generate_conversations, unsettled_conversations
 from tasks.shard_generation import (
     SUBMIT_POLL_S,

@@ -1,7 +1,7 @@
 """Generation of one shard in `turns: every` mode: each conversation step by step through the box's dispatcher.
 
 A shard's prompts are conversations. Step 0 of each is its system messages and first user turn, rendered fresh
-(`datagen.regeneration`; planning's render cache holds the whole row, not this). When a step finishes, its
+(`datagen.conversation.regeneration`; planning's render cache holds the whole row, not this). When a step finishes, its
 checkpoint line is written and the conversation's next step goes to the same `Dispatcher` at once: no barrier per
 conversation or shard, the servers stay full. A step's request key is `<conversation's request key>:step-N`.
 
@@ -35,15 +35,9 @@ from pathlib import Path
 
 from datagen.chat import ChatTokenizer
 from datagen.checkpoint import CheckpointAppender, CheckpointError, read_lines, read_rows
-from datagen.engine.client import GenerateResult, sampling_params_for
-from datagen.engine.dispatcher import Dispatcher, GenerateJob, SubmitTimeout
-from datagen.faults import kill_point
-from datagen.identity import RequestKeys, preparer_for
-from datagen.layout import RunLayout
-from datagen.preparation import Unsendable
-from datagen.quality import check_completion
-from datagen.records import Completion, Prompt
-from datagen.regeneration import (
+from datagen.checks.quality import check_completion
+from datagen.checks.repetition import word_tokens
+from datagen.conversation.regeneration import (
     Ended,
     Regenerator,
     Script,
@@ -53,8 +47,14 @@ from datagen.regeneration import (
     step_key,
     step_record,
 )
-from datagen.repetition import word_tokens
+from datagen.engine.client import GenerateResult, sampling_params_for
+from datagen.engine.dispatcher import Dispatcher, GenerateJob, SubmitTimeout
+from datagen.identity import RequestKeys, preparer_for
+from datagen.layout import RunLayout
+from datagen.operations.faults import kill_point
+from datagen.records import Completion, Prompt
 from datagen.runspec import RunSpec
+from datagen.sources.preparation import Unsendable
 from tasks.ordering import LengthModel
 from tasks.shard_generation import (
     SUBMIT_POLL_S,

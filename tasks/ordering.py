@@ -23,9 +23,9 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.identity import PromptIdentity
-from datagen.prompts import iter_prompts
 from datagen.records import Prompt, Reject
 from datagen.runspec import RunSpec
+from datagen.sources.prompts import iter_prompts
 from tasks.selection import Items, PromptFilter, SelectionReport, choose, filtered
 
 __all__ = [

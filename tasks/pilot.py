@@ -29,18 +29,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.chat import ChatTokenizer
 from datagen.checkpoint import CheckpointLine, append_lines, read_lines, settled_keys
-from datagen.endpoints import ServerEndpoint
+from datagen.checks.quality import ValidationSummary
+from datagen.conversation.regeneration import split_step_key
 from datagen.engine import plan_trial
 from datagen.engine.dispatcher import Dispatcher
+from datagen.engine.endpoints import ServerEndpoint
 from datagen.engine.memory_plan import MemoryPlan
 from datagen.engine.plan_trial import TrialChoice
-from datagen.form_schema import optional_fields_as_plain_inputs
 from datagen.identity import PromptIdentity, RequestKeys
 from datagen.layout import RunLayout
-from datagen.prompts import iter_prompts
-from datagen.quality import ValidationSummary
-from datagen.regeneration import split_step_key
+from datagen.operations.form_schema import optional_fields_as_plain_inputs
 from datagen.runspec import RunSpec
+from datagen.sources.prompts import iter_prompts
 from tasks import pilot_turns
 from tasks.chains import DecodeModel, simulate_wall
 from tasks.generation import read_prompts

@@ -27,11 +27,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from datagen.checkpoint import read_rows
+from datagen.conversation.regeneration import Script, is_query, split_step_key
+from datagen.conversation.turn_stats import Step, TurnSummary, conversations, distribution, is_step_row
 from datagen.layout import RunLayout
-from datagen.preparation import Unsendable
 from datagen.records import Message, Prompt
-from datagen.regeneration import Script, is_query, split_step_key
-from datagen.turn_stats import Step, TurnSummary, conversations, distribution, is_step_row
+from datagen.sources.preparation import Unsendable
 from tasks.chains import Chain, DecodeModel, simulate_chains
 from tasks.generation import read_prompts
 from tasks.generation_turns import expected_steps

@@ -24,15 +24,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field
 
+from datagen.checks.quality import GateReport, check_load_gate
 from datagen.engine.memory_plan import PromptTokens
 from datagen.identity import PromptIdentity
 from datagen.layout import RunLayout
-from datagen.preparation import read_rendered, rendered_path, write_rendered
-from datagen.prompts import iter_prompts
-from datagen.quality import GateReport, check_load_gate
+from datagen.publishing.storage import sha256_file
 from datagen.records import Prompt, Reject
 from datagen.runspec import QualityGate, RunSpec
-from datagen.storage import sha256_file
+from datagen.sources.preparation import read_rendered, rendered_path, write_rendered
+from datagen.sources.prompts import iter_prompts
 
 __all__ = [
     "ShardEntry",
@@ -108,14 +108,14 @@ def plan_shards(
 ) -> ShardPlan:
     """Stream the spec's prompt sources into shard files and load rejects; keep files that already match.
 
-    `published` (prompt ids) and `old_rejects` (load reject keys, datagen.prompts) are what other namespaces
+    `published` (prompt ids) and `old_rejects` (load reject keys, datagen.sources.prompts) are what other namespaces
     published: those rows are skipped and counted, never planned or rejected again. `select` (optional) filters
     and reorders the rest before it is cut into shards (see tasks.selection and tasks.ordering); shards are
     written in the order it yields, which is the dispatch order.
     """
     # Resolves every source first: a config error raises here, before any file is touched.
     # Prompt ids follow the rendered token ids under the model's template (see PromptIdentity); the ids it
-    # renders are written beside each shard for generation (render once: datagen.preparation).
+    # renders are written beside each shard for generation (render once: datagen.sources.preparation).
     identity = PromptIdentity.for_spec(spec)
     read = _Counted(iter_prompts(spec.sources, base_dir, identity))
     known = _SkipPublished(read, published, old_rejects)

@@ -18,7 +18,7 @@ from pydantic import SecretStr
 from datagen.engine.launcher import ServerFleet, ServerStartError, reap_orphaned_servers
 from datagen.engine.memory_plan import MemoryPlan
 from datagen.layout import RunLayout
-from datagen.prefect_reaper import reap_orphaned_prefect_servers, record_embedded_prefect_server
+from datagen.operations.prefect_reaper import reap_orphaned_prefect_servers, record_embedded_prefect_server
 from datagen.runspec import RunSpec
 from datagen.settings import Settings
 

@@ -29,8 +29,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, Field
 
-from datagen.faults import kill_point
-from datagen.storage import ObjectExists, ObjectInfo, ObjectStore, sha256_file
+from datagen.operations.faults import kill_point
+from datagen.publishing.storage import ObjectExists, ObjectInfo, ObjectStore, sha256_file
 
 __all__ = [
     "ABANDONED_NAME",

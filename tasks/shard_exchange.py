@@ -4,7 +4,7 @@ Everything lives under `_runs/<namespace>/` in the store and is only ever create
 
     plan.json                                        the plan (shard ids, checksums) every box works from
     shards/shard-00042.prompts.jsonl                 a shard's prompts
-    shards/shard-00042.input-ids.arrow               planning's render of them (a cache: datagen.preparation)
+    shards/shard-00042.input-ids.arrow               planning's render of them (a cache: datagen.sources.preparation)
     claims/shard-00042/000007.json                   claim number 7: box, owner token, lease expiry
     checkpoints/shard-00042/completions/part-<box>-<owner>-000003.jsonl   checkpoint rows, in immutable parts
     checkpoints/shard-00042/rejects/part-<box>-<owner>-000004.jsonl
@@ -20,8 +20,9 @@ In `turns: every` mode a row is one step of a conversation (request key `<key>:s
 and rows are merged per conversation, not per key: two owners that both generated step N (the first kept working
 after its lease was taken over) wrote two different step-N lines, and step N+1 of each follows only its own.
 Readers keep one chain of step lines per conversation, each line following the one before it
-(`datagen.regeneration.follows`): a settled chain (its last line has an outcome, or a reject line settles the
-step after it) over an unsettled one, then the longer, then the one whose line comes first in part key order.
+(`datagen.conversation.regeneration.follows`): a settled chain (its last line has an outcome, or a reject line
+settles the step after it) over an unsettled one, then the longer,
+then the one whose line comes first in part key order.
 The other owner's lines are dropped and named in `ShardRows.conflicts`. A shard is complete when every one of
 its conversations is settled.
 """
@@ -43,11 +44,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.checkpoint import CheckpointLine, CheckpointTail, json_row, lines_of, read_lines, write_lines
+from datagen.conversation.regeneration import follows, split_step_key
 from datagen.layout import RunLayout
-from datagen.preparation import install_rendered, rendered_path
+from datagen.publishing.storage import ObjectExists, ObjectStore
 from datagen.records import Completion
-from datagen.regeneration import follows, split_step_key
-from datagen.storage import ObjectExists, ObjectStore
+from datagen.sources.preparation import install_rendered, rendered_path
 from tasks.generation import ShardResult
 from tasks.generation_turns import read_ledger
 from tasks.planning import ShardPlan, plan_manifest_path

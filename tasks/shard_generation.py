@@ -17,10 +17,10 @@ from typing import Any, Generic, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.checkpoint import CheckpointError, read_rows, summarize
+from datagen.conversation.toolcalls import answer_text, parse_tool_calls
 from datagen.engine.client import GenerateResult, ProtocolError, RequestRejected
 from datagen.engine.dispatcher import Dispatcher
 from datagen.records import Completion, Prompt, Reject, ToolCall
-from datagen.toolcalls import answer_text, parse_tool_calls
 
 __all__ = [
     "SUBMIT_POLL_S",

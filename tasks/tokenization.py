@@ -9,7 +9,7 @@ row that fails becomes a Reject, never a training row.
 Output (all of it is what gets published):
     staging_dir/data/train-00000-of-0000N.parquet     TOKEN_ROW_SCHEMA, `rows_per_file` rows each
     staging_dir/conversations/conversations-00000-of-0000N.jsonl  the same rows as conversations
-                                                      (SpecForge's schema: datagen/conversation_export.py)
+                                                      (SpecForge's schema: datagen/conversation/export.py)
     staging_dir/rejects/rejects-00000-of-0000M.parquet REJECT_SCHEMA: upstream, validation and tokenize rejects
 """
 
@@ -29,17 +29,25 @@ from pydantic import BaseModel, Field
 
 from datagen.chat import ChatTokenizer, TemplateError
 from datagen.checkpoint import CheckpointError, read_lines
-from datagen.conversation_export import (
+from datagen.checks.quality import NO_CATEGORY, TokenDistribution, completion_body
+from datagen.conversation.export import (
     ConversationWriter,
     assistant_turn,
     assistant_view,
     conversation_record,
     steps_record,
 )
-from datagen.dataset_card import DatasetSizes
-from datagen.quality import NO_CATEGORY, TokenDistribution, completion_body
+from datagen.conversation.segments import (
+    CUT_META_KEY,
+    EARLIER_TURN_REJECTED,
+    Segment,
+    cut_outcome,
+    is_step,
+    segments,
+    where,
+)
+from datagen.publishing.dataset_card import DatasetSizes
 from datagen.records import REJECT_SCHEMA, TOKEN_ROW_SCHEMA, Completion, Message, Reject, TokenRow
-from datagen.segments import CUT_META_KEY, EARLIER_TURN_REJECTED, Segment, cut_outcome, is_step, segments, where
 from tasks.validation import MalformedRecord, iter_jsonl_completions
 
 __all__ = [

@@ -20,7 +20,7 @@ from typing import IO, Any
 import numpy as np
 
 from datagen.checkpoint import CheckpointLine, read_lines
-from datagen.quality import (
+from datagen.checks.quality import (
     DuplicateIndex,
     GateReport,
     QualityGateError,
@@ -31,9 +31,7 @@ from datagen.quality import (
     check_quality_gate,
     render_validation_report,
 )
-from datagen.records import Completion, Reject
-from datagen.runspec import ValidationSpec
-from datagen.segments import (
+from datagen.conversation.segments import (
     CUT_META_KEY,
     EARLIER_TURN_REJECTED,
     MISSING_STEP,
@@ -43,6 +41,8 @@ from datagen.segments import (
     segments,
     where,
 )
+from datagen.records import Completion, Reject
+from datagen.runspec import ValidationSpec
 
 # The gate and the report are re-exported so the flow finds the whole validation stage here.
 __all__ = [
@@ -225,7 +225,7 @@ class ShardValidator:
     ) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         self.out_dir = out_dir
-        self.words = words  # word tokens of the vocabulary (datagen.repetition.word_tokens): structure vs loops
+        self.words = words  # word tokens of the vocabulary (datagen.checks.repetition.word_tokens): structure vs loops
         self.spec = spec
         self.enable_thinking = enable_thinking
         self._builder = SummaryBuilder()

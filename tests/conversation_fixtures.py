@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from datagen.localstack import LocalS3
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.localstack import LocalS3
+from datagen.local.model_fixture import ensure_model_dir
+from datagen.publishing.storage import ObjectStore
 from datagen.runspec import PromptSource, QualityGate, RunSpec, SamplingSpec
-from datagen.storage import ObjectStore
 from flows.expand_dataset import expand_dataset
 from tests.flow_fixtures import pipeline_env_vars
 

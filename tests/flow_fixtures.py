@@ -15,7 +15,7 @@ from prefect.settings import (
 )
 from prefect.testing.utilities import prefect_test_harness
 
-from datagen.localstack import LocalS3
+from datagen.local.localstack import LocalS3
 
 __all__ = ["pipeline_env", "pipeline_env_vars", "prefect_api"]
 

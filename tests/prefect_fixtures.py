@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import pytest
 
-from datagen.localstack import LocalS3
+from datagen.local.localstack import LocalS3
 
 __all__ = [
     "CLIENT_RETRY_ENV",

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from datagen.localstack import LocalS3
-from datagen.storage import ObjectStore
+from datagen.local.localstack import LocalS3
+from datagen.publishing.storage import ObjectStore
 
 __all__ = ["local_s3", "s3_store"]
 

@@ -3,7 +3,7 @@
 `build_conversation` plays the engine's part of the contract (docs/conversations.md, "Every turn"): each step's
 prompt is the template's render of the regenerated history, its output ids the encoding of a model-style answer
 (reasoning, `</think>`, answer, tool calls in Qwen3.6's format, `<|im_end|>`), the assistant turn split from it as
-`datagen.conversation_export.assistant_turn` splits it, the recorded tool results spliced after a calling step
+`datagen.conversation.export.assistant_turn` splits it, the recorded tool results spliced after a calling step
 and the next step's `bridge_ids` the template's text between. It also keeps, independently of that split, the
 clean regenerated conversation (`Built.segment_messages`): what `apply_chat_template` is given in the exactness
 test. The same assertions then run on the engine's real lines (`check_segment_rows`).
@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from datagen.chat import IM_END_ID, ChatTokenizer
-from datagen.conversation_export import assistant_turn
+from datagen.conversation.export import assistant_turn
+from datagen.conversation.regeneration import is_query
+from datagen.conversation.toolcalls import parse_tool_calls
 from datagen.records import Completion, Message, TokenRow
-from datagen.regeneration import is_query
 from datagen.runspec import SamplingSpec, ValidationSpec
-from datagen.toolcalls import parse_tool_calls
 from tasks.tokenization import TokenizationSummary, tokenize_accepted
 from tasks.validation import validate_shards
 
@@ -324,7 +324,7 @@ def stage_steps(
     chat: ChatTokenizer, steps: list[Completion], work: Path, spec: ValidationSpec | None = None
 ) -> tuple[Path, TokenizationSummary]:
     """Validate and tokenize one shard of step lines as a run does; return the staging dir (with its card)."""
-    from datagen.dataset_card import Lineage, write_dataset_card
+    from datagen.publishing.dataset_card import Lineage, write_dataset_card
 
     shard = work / "shard-00000.completions.jsonl"
     shard.write_text("".join(c.to_json() + "\n" for c in steps), encoding="utf-8")

@@ -41,9 +41,9 @@ import httpx
 from pydantic import SecretStr
 
 from datagen.checks.gpu import run_probe
-from datagen.endpoints import ServerEndpoint
 from datagen.engine.client import SGLangClient
 from datagen.engine.dispatcher import Dispatcher, GenerateJob
+from datagen.engine.endpoints import ServerEndpoint
 from datagen.engine.launcher import ServerFleet, mask_command
 from datagen.engine.memory_plan import GpuMemory, ModelShape, card_bandwidth, plan_memory
 from datagen.layout import RunLayout

@@ -20,10 +20,10 @@ from typing import Any
 from pydantic import SecretStr
 
 from datagen.checks import CheckResult
+from datagen.checks.tuning import ServerArgsError
 from datagen.engine.launcher import free_ports_below_ephemeral, launch_flags, server_env, write_key_config
 from datagen.runspec import RunSpec
 from datagen.settings import Settings
-from datagen.tuning import ServerArgsError
 
 __all__ = [
     "PROBE_SCRIPT",

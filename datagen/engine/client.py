@@ -27,9 +27,9 @@ from typing import Any, TypeGuard
 
 import httpx
 
-from datagen.endpoints import ServerEndpoint
+from datagen.engine.endpoints import ServerEndpoint
 from datagen.engine.transport import H11PoolTransport
-from datagen.redact import redact
+from datagen.operations.redact import redact
 from datagen.runspec import SamplingSpec
 
 __all__ = [

@@ -54,7 +54,6 @@ from typing import Any
 
 import httpx
 
-from datagen.endpoints import ServerEndpoint
 from datagen.engine.client import (
     AuthError,
     EngineError,
@@ -66,9 +65,10 @@ from datagen.engine.client import (
     SGLangClient,
     TransientError,
 )
+from datagen.engine.endpoints import ServerEndpoint
 from datagen.engine.gate import GateClosed, PlanOrderGate, ShardShares
 from datagen.engine.stats import DispatcherStats, ServerStats
-from datagen.redact import redact_text
+from datagen.operations.redact import redact_text
 
 __all__ = [
     "Dispatcher",

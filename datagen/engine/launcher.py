@@ -42,14 +42,14 @@ from urllib.parse import urlsplit
 import httpx
 from pydantic import SecretStr
 
-from datagen.endpoints import ServerEndpoint
+from datagen.checks.tuning import check_server_args
+from datagen.engine.endpoints import ServerEndpoint
 from datagen.engine.memory_plan import LoggedPools, MemoryPlan, pool_shortfall
 from datagen.layout import RunLayout
+from datagen.operations.redact import redact_lines, redact_text
 from datagen.paths import private_dir, private_file
-from datagen.redact import redact_lines, redact_text
 from datagen.runspec import RunSpec
 from datagen.settings import Settings
-from datagen.tuning import check_server_args
 
 __all__ = [
     "ATTACH_HEALTH_TIMEOUT_S",

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 from pydantic import SecretStr
 
-from datagen.endpoints import ServerEndpoint
+from datagen.engine.endpoints import ServerEndpoint
 
 __all__ = ["StandinStartError", "free_port", "run_standin", "standin_command", "stop_process"]
 

@@ -2,7 +2,7 @@
 
 The tools are read from the prompt as the model reads them: the template's `# Tools` system block, one JSON
 function schema a line between `<tools>` and `</tools>`. The call is written exactly as the template renders
-a recorded call, so datagen.toolcalls (and SGLang's qwen3_coder parser) read it back.
+a recorded call, so datagen.conversation.toolcalls (and SGLang's qwen3_coder parser) read it back.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ __all__ = ["call_text", "declared_tools"]
 
 _TOOLS_HEADER = "<|im_start|>system\n# Tools"
 _HEADER_TOKENS = 8  # "<|im_start|>system\n# Tools" is fewer tokens than this
-# A value of each JSON-schema type that the type's parser conversion reads back (datagen.toolcalls).
+# A value of each JSON-schema type that the type's parser conversion reads back (datagen.conversation.toolcalls).
 _EXAMPLES = {"integer": "3", "number": "2.5", "boolean": "true", "object": '{"key": "value"}', "array": '["a", "b"]'}
 UNDECLARED = "undeclared_function"
 

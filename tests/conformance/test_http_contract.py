@@ -19,7 +19,6 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
-from datagen.endpoints import ServerEndpoint
 from datagen.engine.client import (
     AuthError,
     GenerateResult,
@@ -29,7 +28,8 @@ from datagen.engine.client import (
     SGLangClient,
     sampling_params_for,
 )
-from datagen.model_fixture import ensure_model_dir
+from datagen.engine.endpoints import ServerEndpoint
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.runspec import SamplingSpec
 from datagen.standin.testing import run_standin
 from tests.conformance.conftest import RealSglang

@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from datagen.endpoints import ServerEndpoint
-from datagen.model_fixture import ensure_model_dir
+from datagen.engine.endpoints import ServerEndpoint
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.standin.testing import free_port, run_standin, standin_command, stop_process
 from tests.conformance.conftest import RealSglang
 

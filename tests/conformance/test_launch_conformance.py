@@ -23,7 +23,7 @@ from datagen.checks.model_dir import check_processor
 from datagen.checks.server_flags import SM120_HYBRID_GDN_BACKENDS, server_flag_checks
 from datagen.engine.launcher import ServerFleet, ephemeral_low, write_key_config
 from datagen.layout import RunLayout
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.runspec import RunSpec
 from datagen.settings import Settings
 from datagen.standin import cli
@@ -193,7 +193,7 @@ def test_datagen_check_runs_the_installed_engines_own_parser(
     assert bad_int.status == "fail" and "Invalid integer value: '32K'" in bad_int.detail
     refused = verdict(["--mamba-radix-cache-strategy", "no_buffer"])["engine.settings"]  # needs no overlap
     assert refused.status == "fail" and "no_buffer" in refused.detail
-    # Flags a run may not set never reach the engine (datagen/tuning.py): refused with our reason.
+    # Flags a run may not set never reach the engine (datagen/checks/tuning.py): refused with our reason.
     gone = verdict(["--mamba-scheduler-strategy", "auto"])["engine.server_flags"]
     assert gone.status == "fail" and "not on the allow-list of tuning flags" in gone.detail
     lmo = verdict(["--language-model-only"])

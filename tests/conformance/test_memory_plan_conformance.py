@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from datagen.engine.memory_plan import EngineFlags, GpuMemory, MemoryPlan, ModelShape, PrefixReuse, plan_memory
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.model_fixture import ensure_model_dir
 from tests.conformance.conftest import REPO_ROOT, RealSglang
 
 # What the conformance shim's torch.cuda reports for one RTX PRO 6000 Blackwell: total, and free = total - 512 MiB.

@@ -1,4 +1,4 @@
-"""The tool-call parser (datagen/toolcalls.py) judged by SGLang 0.5.23's own `qwen3_coder` detector.
+"""The tool-call parser (datagen/conversation/toolcalls.py) judged by SGLang 0.5.23's own `qwen3_coder` detector.
 
 Each output of the corpus is parsed by both, with the same tools list; names and arguments must be equal
 (SGLang returns arguments as JSON text: compared as the objects they decode to).
@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from datagen.toolcalls import parse_tool_calls
+from datagen.conversation.toolcalls import parse_tool_calls
 from tests.conformance.conftest import RealSglang
 
 TOOLS: list[dict[str, Any]] = [

@@ -1,4 +1,4 @@
-"""The run-parameter policy (datagen/tuning.py) and the key file, judged against SGLang 0.5.23's own parser.
+"""The run-parameter policy (datagen/checks/tuning.py) and the key file, judged against SGLang 0.5.23's own parser.
 
 The allow-list and the managed list name real flags; every alias of a managed flag is managed (argparse stores
 aliases in one dest, so a missed alias would reopen the flag); the real parser takes abbreviations, which is
@@ -13,9 +13,9 @@ from typing import Any
 
 from pydantic import SecretStr
 
+from datagen.checks.tuning import MANAGED_FLAGS, TUNING_FLAGS
 from datagen.engine.launcher import write_key_config
-from datagen.model_fixture import ensure_model_dir
-from datagen.tuning import MANAGED_FLAGS, TUNING_FLAGS
+from datagen.local.model_fixture import ensure_model_dir
 from tests.conformance.conftest import RealSglang
 
 _PARSER = r"""

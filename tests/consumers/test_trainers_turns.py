@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from datagen.chat import IM_END_ID, ChatTokenizer
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Completion
 from tests.consumers.conftest import Trainers
 from tests.turn_fixtures import WEATHER_TOOLS, Step, Turn, build_conversation, stage_steps, three_turn_tool_conversation

@@ -1,4 +1,5 @@
-"""The laptop's alert listener (datagen.alert_log) as its own process: only posts with its bearer token are logged."""
+"""The laptop's alert listener (datagen.operations.alert_log) as its own process: only posts with its bearer
+token are logged."""
 
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from datagen import alert_log
+from datagen.operations import alert_log
 
 
 @pytest.fixture
 def listener(tmp_path: Path) -> Iterator[tuple[str, Path]]:
-    """`python -m datagen.alert_log serve` in a state dir; its URL and the dir."""
-    proc = subprocess.Popen([sys.executable, "-m", "datagen.alert_log", "serve", "--state-dir", str(tmp_path)])
+    """`python -m datagen.operations.alert_log serve` in a state dir; its URL and the dir."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "datagen.operations.alert_log", "serve", "--state-dir", str(tmp_path)]
+    )
     try:
         port_file = tmp_path / "alert-log.port"
         deadline = time.monotonic() + 60
@@ -65,7 +68,7 @@ def test_the_alert_log_and_its_folder_are_private(tmp_path: Path) -> None:
     old_log = state / alert_log.LOG_NAME
     old_log.write_text("an older version's line\n")
     old_log.chmod(0o644)
-    proc = subprocess.Popen([sys.executable, "-m", "datagen.alert_log", "serve", "--state-dir", str(state)])
+    proc = subprocess.Popen([sys.executable, "-m", "datagen.operations.alert_log", "serve", "--state-dir", str(state)])
     try:
         port_file = state / "alert-log.port"
         deadline = time.monotonic() + 60

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from datagen.failure import reason
-from datagen.model_fixture import ensure_model_dir
-from datagen.storage import StorageUnreachable
+from datagen.local.model_fixture import ensure_model_dir
+from datagen.operations.failure import reason
+from datagen.publishing.storage import StorageUnreachable
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

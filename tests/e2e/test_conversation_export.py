@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from datagen.chat import ChatTokenizer
-from datagen.conversation_export import ConversationWriter, conversation_record, split_reasoning
+from datagen.conversation.export import ConversationWriter, conversation_record, split_reasoning
+from datagen.publishing.storage import ObjectExists, ObjectStore
 from datagen.records import Completion, Message, ToolCall
-from datagen.storage import ObjectExists, ObjectStore
 from tasks.publishing import CLAIM_NAME, publish
 from tasks.tokenization import tokenize_accepted
 from tests.conversation_fixtures import PublishedRun

@@ -19,7 +19,7 @@ from datagen.chat import ChatTokenizer
 from datagen.engine.dispatcher import Dispatcher, GenerateJob
 from datagen.identity import prompt_id_from_messages
 from datagen.layout import RunLayout
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Prompt
 from datagen.runspec import RunSpec, SamplingSpec
 from datagen.standin.testing import run_standin

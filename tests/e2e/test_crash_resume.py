@@ -27,11 +27,11 @@ import pytest
 from datasets import load_dataset
 
 from datagen.identity import PromptIdentity
-from datagen.localstack import LocalS3
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.localstack import LocalS3
+from datagen.local.model_fixture import ensure_model_dir
+from datagen.publishing.storage import ObjectStore
 from datagen.records import Message
 from datagen.runspec import PromptSource, QualityGate, RunSpec, SamplingSpec
-from datagen.storage import ObjectStore
 
 pytestmark = pytest.mark.slow
 

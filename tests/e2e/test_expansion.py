@@ -11,11 +11,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from datagen import catalog
-from datagen.localstack import LocalS3
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.localstack import LocalS3
+from datagen.local.model_fixture import ensure_model_dir
+from datagen.publishing import catalog
+from datagen.publishing.storage import ObjectStore
 from datagen.runspec import PromptSource, QualityGate, RunSpec, SamplingSpec
-from datagen.storage import ObjectStore
 from flows.expand_dataset import expand_dataset
 from tasks.publishing import PublishError, publish, refuse_other_run
 
@@ -229,7 +229,7 @@ def test_an_expansion_retries_the_reject_reasons_it_names(s3_store: ObjectStore,
 
 
 def test_retry_rejected_names_only_reasons_a_published_reject_can_carry() -> None:
-    from datagen.quality import VALIDATION_REASONS
+    from datagen.checks.quality import VALIDATION_REASONS
     from datagen.runspec import RETRYABLE_REASONS
     from tasks.tokenization import TOKENIZE_REASONS
 

@@ -15,8 +15,8 @@ from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
 
 from datagen.cli import summary_text
-from datagen.endpoints import ServerEndpoint
-from datagen.model_fixture import ensure_model_dir
+from datagen.engine.endpoints import ServerEndpoint
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.runspec import PromptSource, QualityGate, RunSpec, SamplingSpec
 from datagen.standin.testing import run_standin
 from flows.expand_dataset import expand_dataset

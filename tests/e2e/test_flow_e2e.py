@@ -14,11 +14,11 @@ from pydantic import SecretStr
 
 from datagen.chat import ChatTokenizer
 from datagen.identity import PromptIdentity
-from datagen.localstack import LocalS3
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.localstack import LocalS3
+from datagen.local.model_fixture import ensure_model_dir
+from datagen.publishing.storage import ObjectStore
 from datagen.records import Message
 from datagen.runspec import PromptSource, QualityGate, RunSpec, SamplingSpec
-from datagen.storage import ObjectStore
 from flows.expand_dataset import expand_dataset, publish_task
 
 pytestmark = pytest.mark.slow

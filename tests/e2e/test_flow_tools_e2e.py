@@ -12,12 +12,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from datagen.chat import ChatTokenizer
-from datagen.localstack import LocalS3
-from datagen.model_fixture import ensure_model_dir
-from datagen.prompts import iter_prompts
+from datagen.local.localstack import LocalS3
+from datagen.local.model_fixture import ensure_model_dir
+from datagen.publishing.storage import ObjectStore
 from datagen.records import Completion, Prompt
 from datagen.runspec import PromptSource, QualityGate, RunSpec, SamplingSpec
-from datagen.storage import ObjectStore
+from datagen.sources.prompts import iter_prompts
 from flows.expand_dataset import expand_dataset
 
 pytestmark = pytest.mark.slow

@@ -14,14 +14,14 @@ import httpx
 import pytest
 
 from datagen.chat import IM_END_ID, ChatTokenizer
-from datagen.endpoints import ServerEndpoint
 from datagen.engine.dispatcher import Dispatcher
+from datagen.engine.endpoints import ServerEndpoint
 from datagen.identity import prompt_id_from_messages, request_key
 from datagen.layout import RunLayout
-from datagen.model_fixture import ensure_model_dir
-from datagen.preparation import Preparer
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Completion, Prompt, Reject
 from datagen.runspec import PromptSource, RunSpec, SamplingSpec
+from datagen.sources.preparation import Preparer
 from datagen.standin.testing import run_standin
 from tasks.generation import ShardResult, generate_shard
 from tasks.planning import plan_shards

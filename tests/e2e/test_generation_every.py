@@ -24,16 +24,16 @@ import pytest
 
 from datagen.chat import IM_END_ID, ChatTokenizer
 from datagen.checkpoint import CheckpointError
-from datagen.conversation_export import assistant_turn
-from datagen.endpoints import ServerEndpoint
-from datagen.faults import KILL_AFTER_ENV, KILL_AT_ENV
+from datagen.conversation.export import assistant_turn
+from datagen.conversation.regeneration import OUTCOMES, split_step_key
+from datagen.engine.endpoints import ServerEndpoint
 from datagen.identity import RequestKeys, prompt_id_from_messages
 from datagen.layout import RunLayout
-from datagen.model_fixture import ensure_model_dir
-from datagen.prompts import iter_prompts
+from datagen.local.model_fixture import ensure_model_dir
+from datagen.operations.faults import KILL_AFTER_ENV, KILL_AT_ENV
 from datagen.records import Completion, Message, Prompt, Reject, TokenRow
-from datagen.regeneration import OUTCOMES, split_step_key
 from datagen.runspec import PromptSource, RunSpec, SamplingSpec
+from datagen.sources.prompts import iter_prompts
 from tasks.generation import generate_shard, unsettled_requests
 from tests.e2e.test_generation import box, make_dispatcher, requests_served, rows
 from tests.turn_fixtures import stage_steps, template_ids
@@ -255,7 +255,7 @@ RUNNER = textwrap.dedent(
     from pathlib import Path
     from pydantic import SecretStr
     from datagen.chat import ChatTokenizer
-    from datagen.endpoints import ServerEndpoint
+    from datagen.engine.endpoints import ServerEndpoint
     from datagen.engine.dispatcher import Dispatcher
     from datagen.layout import RunLayout
     from datagen.runspec import RunSpec

@@ -11,11 +11,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from datagen.cli import main as cli_main
-from datagen.conversation_export import conversation_record
-from datagen.conversation_view import find_conversation, render_conversation
-from datagen.inspection import inspect_namespace, list_namespaces
+from datagen.conversation.export import conversation_record
+from datagen.conversation.view import find_conversation, render_conversation
+from datagen.operations.inspection import inspect_namespace, list_namespaces
+from datagen.publishing.storage import ObjectStore
 from datagen.records import TOKEN_ROW_SCHEMA, Completion, Message, ToolCall
-from datagen.storage import ObjectStore
 from tasks.publishing import publish
 
 REASONING = "Let me think about the weather. " * 40 + "So I call the tool."
@@ -152,7 +152,7 @@ def test_inspect_command_shows_a_conversation(
 
 
 def test_a_conversation_as_the_exporter_writes_it_reads_back(s3_store: ObjectStore, tmp_path: Path) -> None:
-    # The line as datagen.conversation_export writes it today (`last` mode): reasoning split at </think>,
+    # The line as datagen.conversation.export writes it today (`last` mode): reasoning split at </think>,
     # the model's call with its arguments as JSON text, tools as JSON text.
     completion = Completion(
         prompt_id="p-1",

@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from datagen import localstack
-from datagen.localstack import LocalS3, LocalS3Error, find_weed, pick_ports
-from datagen.storage import ObjectStore
+from datagen.local import localstack
+from datagen.local.localstack import LocalS3, LocalS3Error, find_weed, pick_ports
+from datagen.publishing.storage import ObjectStore
 
 
 def test_unsigned_requests_are_refused(local_s3: LocalS3) -> None:
@@ -52,7 +52,11 @@ def test_missing_weed_names_the_package(monkeypatch: pytest.MonkeyPatch, tmp_pat
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "datagen.localstack", *args], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-m", "datagen.local.localstack", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
 
 

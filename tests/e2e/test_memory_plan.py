@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from datagen.checks.tuning import ServerArgsError
 from datagen.engine.launcher import launch_flags
 from datagen.engine.memory_plan import (
     NUMERICS_FLAGS,
@@ -27,11 +28,10 @@ from datagen.engine.memory_plan import (
     expected_context,
     plan_memory,
 )
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.runspec import RunSpec
 from datagen.settings import Settings
 from datagen.standin.testing import run_standin
-from datagen.tuning import ServerArgsError
 from tasks import environment
 
 CONFIG_27B = Path(__file__).parents[1] / "fixtures" / "qwen3.6-27b-config.json"

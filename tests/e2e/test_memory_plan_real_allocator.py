@@ -31,7 +31,7 @@ from datagen.engine.memory_plan import (
     sglang_sizing,
 )
 from datagen.layout import RunLayout
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.settings import Settings
 from tasks import environment
 from tests.e2e.test_generation import FAST, SPEC

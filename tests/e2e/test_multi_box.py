@@ -23,15 +23,15 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from datagen import catalog
 from datagen.engine.memory_plan import GpuMemory, ModelShape, plan_memory
 from datagen.identity import PromptIdentity
-from datagen.localstack import LocalS3
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.localstack import LocalS3
+from datagen.local.model_fixture import ensure_model_dir
+from datagen.publishing import catalog
+from datagen.publishing.storage import ObjectStore
 from datagen.records import Message
 from datagen.runspec import RunSpec
 from datagen.standin.knobs import Knobs
-from datagen.storage import ObjectStore
 from tasks.shard_exchange import ShardExchange
 from tests.prefect_fixtures import (
     POOL,

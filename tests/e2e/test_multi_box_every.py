@@ -21,13 +21,13 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from datagen.localstack import LocalS3
-from datagen.model_fixture import ensure_model_dir
-from datagen.prompts import iter_prompts
+from datagen.conversation.regeneration import split_step_key
+from datagen.local.localstack import LocalS3
+from datagen.local.model_fixture import ensure_model_dir
+from datagen.publishing.storage import ObjectStore
 from datagen.records import Prompt
-from datagen.regeneration import split_step_key
 from datagen.runspec import PromptSource
-from datagen.storage import ObjectStore
+from datagen.sources.prompts import iter_prompts
 from tasks.shard_exchange import ShardExchange
 from tests.e2e.test_multi_box import STANDIN_PACE, WAIT_S, _box_of_part, _kill_marked, _queue_worker, _wait
 from tests.prefect_fixtures import REPO_ROOT, prefect_server, run_deploy, worker_env

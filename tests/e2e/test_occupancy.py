@@ -25,12 +25,12 @@ import pytest
 from pydantic import SecretStr
 
 from datagen.chat import ChatTokenizer
-from datagen.endpoints import ServerEndpoint
 from datagen.engine.dispatcher import Dispatcher
+from datagen.engine.endpoints import ServerEndpoint
 from datagen.engine.stats import DispatcherStats
 from datagen.identity import prompt_id_from_messages
 from datagen.layout import RunLayout
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Prompt
 from datagen.runspec import RunSpec, SamplingSpec
 from datagen.settings import Settings

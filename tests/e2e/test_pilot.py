@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from datagen.chat import ChatTokenizer
+from datagen.checks.quality import ValidationSummary
 from datagen.engine.client import sampling_params_for
 from datagen.engine.dispatcher import Dispatcher, GenerateJob
 from datagen.layout import RunLayout
-from datagen.model_fixture import ensure_model_dir
-from datagen.quality import ValidationSummary
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Prompt, Reject
 from datagen.runspec import PromptSource, QualityGate, RunSpec, SamplingSpec
 from datagen.standin.testing import run_standin

@@ -17,11 +17,11 @@ from typing import Literal
 import pytest
 
 from datagen.chat import ChatTokenizer
-from datagen.endpoints import ServerEndpoint
+from datagen.checks.quality import ValidationSummary
 from datagen.engine.dispatcher import Dispatcher
+from datagen.engine.endpoints import ServerEndpoint
 from datagen.layout import RunLayout
-from datagen.model_fixture import ensure_model_dir
-from datagen.quality import ValidationSummary
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.runspec import PromptSource, RunSpec, SamplingSpec
 from datagen.standin.testing import run_standin
 from tasks.generation import ShardResult, generate_shard

@@ -11,10 +11,10 @@ import pytest
 
 from datagen.engine.memory_plan import ModelShape
 from datagen.layout import RunLayout
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.model_fixture import ensure_model_dir
+from datagen.publishing.storage import ObjectStore
 from datagen.runspec import PromptSource, QualityGate, RunSpec, SamplingSpec
 from datagen.settings import Settings
-from datagen.storage import ObjectStore
 from flows.expand_dataset import expand_dataset
 from flows.pilot import pilot_flow
 from tasks.pilot import PILOT_MARKDOWN, PilotSpec

@@ -19,10 +19,10 @@ from typing import Any
 import httpx
 import pytest
 
-from datagen.localstack import LocalS3
-from datagen.model_fixture import ensure_model_dir
-from datagen.report import is_generated_name
-from datagen.storage import ObjectStore
+from datagen.local.localstack import LocalS3
+from datagen.local.model_fixture import ensure_model_dir
+from datagen.operations.report import is_generated_name
+from datagen.publishing.storage import ObjectStore
 from tests.prefect_fixtures import (
     POOL,
     PrefectApi,

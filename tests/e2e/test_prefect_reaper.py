@@ -19,9 +19,9 @@ import httpx
 import pytest
 
 from datagen.engine.launcher import _start_ticks
-from datagen.localstack import LocalS3
-from datagen.model_fixture import ensure_model_dir
-from datagen.prefect_reaper import RECORDS_DIR, reap_orphaned_prefect_servers
+from datagen.local.localstack import LocalS3
+from datagen.local.model_fixture import ensure_model_dir
+from datagen.operations.prefect_reaper import RECORDS_DIR, reap_orphaned_prefect_servers
 from datagen.settings import Settings
 from tasks.provisioning import stop_leftover_servers
 

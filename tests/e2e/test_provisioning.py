@@ -24,7 +24,7 @@ from pydantic import SecretStr
 
 from datagen.engine.launcher import PortInUseError, ServerFleet, ServerStartError
 from datagen.layout import RunLayout
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.runspec import RunSpec
 from datagen.settings import Settings
 from tasks.provisioning import api_key_for, new_api_key, provision, stop_leftover_servers
@@ -178,7 +178,7 @@ def start_flow_like(
             from pathlib import Path
             from pydantic import SecretStr
             from datagen.layout import RunLayout
-            from datagen.model_fixture import ensure_model_dir
+            from datagen.local.model_fixture import ensure_model_dir
             from datagen.runspec import RunSpec
             from datagen.settings import Settings
             from tasks.provisioning import provision

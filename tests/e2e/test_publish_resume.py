@@ -2,7 +2,8 @@
 
 The flow runs as a real process with its own stand-in servers; it reports to a real Prefect server and writes to
 SeaweedFS, one of each per test process, each test under its own PREFECT_HOME, work dir and S3 prefix.
-`DATAGEN_FAULT_KILL_AT` (datagen/faults.py, inert unless set) makes it SIGKILL itself right after the named step.
+`DATAGEN_FAULT_KILL_AT` (datagen/operations/faults.py, inert unless set) makes it SIGKILL itself right after the
+named step.
 After the kill the test ends what it left running, runs the same flow again, and compares every published object
 with those of an uninterrupted run of the same prompts (under another S3 prefix, so that nothing but the first
 attempt's run id and time, and the prefix in the manifest's URI, may differ). Finally an expansion
@@ -24,13 +25,13 @@ from typing import Any
 
 import pytest
 
-from datagen import catalog
-from datagen.faults import KILL_AT_ENV
-from datagen.localstack import LocalS3
-from datagen.model_fixture import ensure_model_dir
-from datagen.pinned import PinnedFacts
+from datagen.local.localstack import LocalS3
+from datagen.local.model_fixture import ensure_model_dir
+from datagen.operations.faults import KILL_AT_ENV
+from datagen.publishing import catalog
+from datagen.publishing.pinned import PinnedFacts
+from datagen.publishing.storage import ObjectStore
 from datagen.runspec import PromptSource, QualityGate, RunSpec, SamplingSpec
-from datagen.storage import ObjectStore
 from tasks.publishing import CLAIM_NAME, MANIFEST_NAME
 from tests.e2e.test_crash_resume import _cleanup, _env, _kill_all, _run_flow, _tail
 from tests.prefect_fixtures import CLIENT_RETRY_ENV, PrefectServer

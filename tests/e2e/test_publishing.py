@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from datagen.localstack import LocalS3
-from datagen.storage import ObjectStore
+from datagen.local.localstack import LocalS3
+from datagen.publishing.storage import ObjectStore
 from tasks.publishing import CLAIM_NAME, MANIFEST_NAME, PublishError, PublishResult, abandon, publish
 
 LINEAGE: dict[str, Any] = {
@@ -182,7 +182,7 @@ _KILLED_PUBLISHER = textwrap.dedent(
     import sys, threading
     from pathlib import Path
     from datagen.settings import Settings
-    from datagen.storage import ObjectStore
+    from datagen.publishing.storage import ObjectStore
     from tasks.publishing import publish
 
     store = ObjectStore.from_settings(Settings())

@@ -13,14 +13,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from datagen import report
 from datagen.cli import main as cli_main
 from datagen.cli import summary_text
 from datagen.engine.stats import DispatcherStats, ServerStats
-from datagen.inspection import inspect_namespace, list_namespaces
+from datagen.operations import report
+from datagen.operations.inspection import inspect_namespace, list_namespaces
+from datagen.publishing.storage import ObjectStore
 from datagen.records import REJECT_SCHEMA
 from datagen.runspec import RunSpec
-from datagen.storage import ObjectStore
 from tasks.publishing import publish
 
 
@@ -230,7 +230,7 @@ def test_targets_are_typed_rows_in_the_form_and_mappings_in_configs() -> None:
 
 def test_loading_the_tokenizer_prints_no_pytorch_advice() -> None:
     code = (
-        "from datagen.model_fixture import ensure_model_dir\n"
+        "from datagen.local.model_fixture import ensure_model_dir\n"
         "from datagen.chat import ChatTokenizer\n"
         "ChatTokenizer.from_model_dir(ensure_model_dir())\n"
         "import warnings, transformers.utils.logging as tl\n"
@@ -316,7 +316,7 @@ def test_laptop_command_writes_worker_settings_and_demo_sized_parameters(
     import json
     import stat
 
-    from datagen import localstack
+    from datagen.local import localstack
     from datagen.settings import Settings
 
     state_dir, out = tmp_path / "stack", tmp_path / "laptop"

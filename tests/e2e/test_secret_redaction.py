@@ -18,8 +18,8 @@ from datagen.chat import ChatTokenizer
 from datagen.engine.client import sampling_params_for
 from datagen.engine.dispatcher import Dispatcher, EngineStalled, GenerateJob
 from datagen.layout import RunLayout
-from datagen.model_fixture import ensure_model_dir
-from datagen.redact import MASK, redact, redact_lines, redact_text
+from datagen.local.model_fixture import ensure_model_dir
+from datagen.operations.redact import MASK, redact, redact_lines, redact_text
 from datagen.runspec import PromptSource, RunSpec, SamplingSpec
 from datagen.settings import Settings
 from flows.expand_dataset import expand_dataset

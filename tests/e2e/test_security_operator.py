@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from datagen.localstack import LocalS3
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.localstack import LocalS3
+from datagen.local.model_fixture import ensure_model_dir
 from tests.prefect_fixtures import (
     POOL,
     REPO_ROOT,

@@ -31,8 +31,8 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 from websockets.typing import Origin, Subprotocol
 
-from datagen.localstack import LocalS3
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.localstack import LocalS3
+from datagen.local.model_fixture import ensure_model_dir
 from tests.prefect_fixtures import (
     POOL,
     REPO_ROOT,

@@ -19,14 +19,14 @@ import httpx
 import pytest
 from pydantic import SecretStr, ValidationError
 
+from datagen.checks.tuning import MANAGED_FLAGS, TUNING_FLAGS, ServerArgsError, check_server_args
 from datagen.engine.launcher import launch_flags, reap_orphaned_servers
 from datagen.layout import RunLayout
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.paths import PathNotAllowed, confine, secure_run
-from datagen.prompts import iter_prompts
 from datagen.runspec import PromptSource, RunSpec, SamplingSpec
 from datagen.settings import Settings
-from datagen.tuning import MANAGED_FLAGS, TUNING_FLAGS, ServerArgsError, check_server_args
+from datagen.sources.prompts import iter_prompts
 from flows.expand_dataset import expand_dataset
 from tasks.pilot import PilotSpec
 from tasks.provisioning import provision

@@ -17,7 +17,7 @@ from datagen.chat import ChatTokenizer
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.launcher import ServerFleet
 from datagen.layout import RunLayout
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.settings import Settings
 from tasks.generation import generate_shard
 from tasks.serving import serving

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from datagen.conversation_export import assistant_turn
+from datagen.conversation.export import assistant_turn
+from datagen.conversation.regeneration import step_key
 from datagen.layout import RunLayout
+from datagen.publishing.storage import ObjectStore
 from datagen.records import Completion, Message, Reject
-from datagen.regeneration import step_key
-from datagen.storage import ObjectStore
 from tasks.generation import ShardResult
 from tasks.generation_turns import read_ledger
 from tasks.shard_exchange import IncompleteShard, ShardExchange

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from datagen.chat import IM_END_ID, THINK_END_ID, ChatTokenizer
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.standin.cli import parse_args
 from datagen.standin.server import check_gpu_arch
 from datagen.standin.testing import free_port, run_standin, standin_command, stop_process

@@ -8,11 +8,11 @@ import httpx
 import pytest
 
 from datagen.chat import IM_END_ID, ChatTokenizer
-from datagen.model_fixture import ensure_model_dir
+from datagen.conversation.toolcalls import answer_text, parse_tool_calls
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import ToolCall
 from datagen.standin.knobs import KnobError, Knobs
 from datagen.standin.testing import run_standin
-from datagen.toolcalls import answer_text, parse_tool_calls
 
 TOOLS = [
     {

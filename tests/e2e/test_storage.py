@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
-from datagen.localstack import LocalS3
-from datagen.storage import (
+from datagen.local.localstack import LocalS3
+from datagen.publishing.storage import (
     PREFLIGHT_DIR,
     BucketMissing,
     ObjectExists,

@@ -21,10 +21,10 @@ import pytest
 from playwright.sync_api import Page, expect, sync_playwright
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-from datagen import alert_log
-from datagen.localstack import LocalS3
-from datagen.model_fixture import ensure_model_dir
-from datagen.storage import ObjectStore
+from datagen.local.localstack import LocalS3
+from datagen.local.model_fixture import ensure_model_dir
+from datagen.operations import alert_log
+from datagen.publishing.storage import ObjectStore
 from tests.prefect_fixtures import (
     PrefectApi,
     PrefectServer,
@@ -465,7 +465,7 @@ def test_failed_run_page_shows_the_failing_task_and_message(ui_stack: UiStack, t
         )
         page = browser.new_page()
         try:
-            # The link the failure alert sends (datagen.failure.report_url): the run-failure artifact's page.
+            # The link the failure alert sends (datagen.operations.failure.report_url): the run-failure artifact's page.
             _log_in(page, ui_stack, f"/v2/artifacts/artifact/{failure['id']}")
             heading = page.get_by_role("heading", name=line, exact=True)
             heading.wait_for(timeout=60_000)

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from datagen import report
 from datagen.chat import ChatTokenizer
 from datagen.checkpoint import (
     CheckpointAppender,
@@ -24,13 +23,14 @@ from datagen.checkpoint import (
     settled_keys,
     summarize,
 )
+from datagen.checks.quality import ValidationSummary
+from datagen.conversation.turn_stats import StepTail
 from datagen.identity import RequestKeys, prompt_id_from_messages
 from datagen.layout import RunLayout
-from datagen.model_fixture import ensure_model_dir
-from datagen.quality import ValidationSummary
+from datagen.local.model_fixture import ensure_model_dir
+from datagen.operations import report
 from datagen.records import Completion, Message, Prompt, Reject, ToolCall
 from datagen.runspec import PromptSource, RunSpec
-from datagen.turn_stats import StepTail
 from tasks.pilot import PilotPopulation, PilotSpec, import_pilot, project
 from tasks.planning import ShardPlan, plan_shards
 from tasks.selection import SelectionReport

@@ -40,7 +40,7 @@ from datagen.checks.server_flags import (
     run_flag_probe,
     server_flag_checks,
 )
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.runspec import RunSpec
 from datagen.settings import Settings
 from tasks.environment import format_report, report_rows, run_checks
@@ -352,7 +352,7 @@ def test_flags_and_settings_judged_by_the_standin_s_own_code(tmp_path: Path) -> 
     refused = by_name(server_flag_checks(settings, no_buffer))["engine.settings"]  # needs no overlap schedule
     assert refused.status == "fail"
     assert "no_buffer" in refused.detail
-    # A flag the run may not set never reaches the engine (datagen/tuning.py).
+    # A flag the run may not set never reaches the engine (datagen/checks/tuning.py).
     lmo = by_name(server_flag_checks(settings, spec.model_copy(update={"server_args": ["--language-model-only"]})))
     assert lmo["engine.server_flags"].status == "fail"
     assert "--language-model-only is managed by the pipeline" in lmo["engine.server_flags"].detail

@@ -11,7 +11,6 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
-from datagen.endpoints import ServerEndpoint
 from datagen.engine.client import (
     SAMPLING_KEYS,
     AuthError,
@@ -26,6 +25,7 @@ from datagen.engine.client import (
     TransientError,
     sampling_params_for,
 )
+from datagen.engine.endpoints import ServerEndpoint
 from datagen.runspec import SamplingSpec
 
 SAMPLING = sampling_params_for(SamplingSpec(max_new_tokens=64))

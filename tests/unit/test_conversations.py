@@ -11,11 +11,11 @@ import pytest
 
 from datagen.chat import ChatTokenizer
 from datagen.identity import PromptIdentity, prompt_id_from_ids, prompt_id_from_messages
-from datagen.model_fixture import ensure_model_dir
-from datagen.preparation import Preparer
-from datagen.prompts import LOAD_REJECT_REASONS, iter_prompts
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Message, Prompt, Reject, ToolCall
 from datagen.runspec import PromptSource
+from datagen.sources.preparation import Preparer
+from datagen.sources.prompts import LOAD_REJECT_REASONS, iter_prompts
 
 WEATHER = {
     "type": "function",

@@ -1,4 +1,4 @@
-"""The pin comparison (datagen/deploy_pin.py) and the flow-run environment of datagen's worker."""
+"""The pin comparison (datagen/operations/deploy_pin.py) and the flow-run environment of datagen's worker."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from datagen.deploy_pin import (
+from datagen.operations.deploy_pin import (
     DeploymentPin,
     PinFile,
     PinMismatch,

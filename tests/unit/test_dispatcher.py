@@ -17,7 +17,6 @@ from typing import Any
 import httpx
 import pytest
 
-from datagen.endpoints import ServerEndpoint
 from datagen.engine.client import (
     AuthError,
     GenerateResult,
@@ -35,6 +34,7 @@ from datagen.engine.dispatcher import (
     SubmitTimeout,
     backoff_delay,
 )
+from datagen.engine.endpoints import ServerEndpoint
 from datagen.engine.gate import PlanOrderGate
 from datagen.engine.stats import DispatcherStats, ServerStats
 from datagen.runspec import SamplingSpec

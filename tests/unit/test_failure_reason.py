@@ -1,4 +1,5 @@
-"""A failed run's one line (datagen.failure): the reason's wording, one traceback per exception, the report's links."""
+"""A failed run's one line (datagen.operations.failure): the reason's wording, one traceback per exception, the
+report's links."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ import pytest
 from prefect.settings import PREFECT_UI_URL, temporary_settings
 
 from datagen.checks import CheckResult
+from datagen.checks.quality import QualityGateError, TokenDistribution, ValidationSummary, check_quality_gate
 from datagen.engine.launcher import ServerStartError
-from datagen.failure import Failure, OnceTraceback, reason, report_markdown
-from datagen.quality import QualityGateError, TokenDistribution, ValidationSummary, check_quality_gate
+from datagen.operations.failure import Failure, OnceTraceback, reason, report_markdown
+from datagen.publishing.storage import StorageUnreachable
 from datagen.runspec import QualityGate
-from datagen.storage import StorageUnreachable
 from tasks.environment import EnvironmentCheckFailed, raise_if_failed
 
 

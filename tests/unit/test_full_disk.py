@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from prefect.states import Failed
 
-from datagen.failure import reason
+from datagen.operations.failure import reason
 from flows.expand_dataset import catalog_task, generate_shard_task, publish_task
 
 

@@ -16,7 +16,7 @@ from datagen.identity import (
     prompt_id_from_messages,
     request_key,
 )
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Message
 from datagen.runspec import RunSpec, SamplingSpec
 

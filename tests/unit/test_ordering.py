@@ -10,7 +10,7 @@ import pytest
 
 from datagen.identity import prompt_id_from_messages
 from datagen.layout import RunLayout
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Prompt, Reject
 from datagen.runspec import PromptSource, RunSpec
 from tasks.ordering import LengthModel, LengthSample, long_first, long_first_filter, run_filter

@@ -10,10 +10,10 @@ import pytest
 
 from datagen.chat import ChatTokenizer
 from datagen.checkpoint import settled_keys
+from datagen.checks.quality import ValidationSummary
 from datagen.identity import RequestKeys
 from datagen.layout import RunLayout
-from datagen.model_fixture import ensure_model_dir
-from datagen.quality import ValidationSummary
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Completion, Message, Prompt, Reject
 from datagen.runspec import PromptSource, RunSpec
 from tasks.pilot import PilotPopulation, PilotSpec, import_pilot, project, render_projection

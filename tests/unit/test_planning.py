@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from datagen.layout import RunLayout
-from datagen.model_fixture import ensure_model_dir
-from datagen.prompts import PromptSourceError
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Prompt, Reject
 from datagen.runspec import PromptSource, RunSpec
+from datagen.sources.prompts import PromptSourceError
 from tasks.planning import ShardPlan, plan_manifest_path, plan_shards, read_plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,7 +89,7 @@ def test_plan_is_deterministic(tmp_path: Path) -> None:
         "shards/shard-00000.prompts.jsonl",
         "shards/shard-00001.prompts.jsonl",
         "shards/shard-00002.prompts.jsonl",
-        # planning's render of each shard's prompts, for generation (datagen.preparation)
+        # planning's render of each shard's prompts, for generation (datagen.sources.preparation)
         "shards/shard-00000.input-ids.arrow",
         "shards/shard-00001.input-ids.arrow",
         "shards/shard-00002.input-ids.arrow",
@@ -203,7 +203,7 @@ def test_bundled_set_plans_with_default_sources(tmp_path: Path) -> None:
 
 
 def _model_spec(path: Path, **kw: object) -> RunSpec:
-    from datagen.model_fixture import ensure_model_dir
+    from datagen.local.model_fixture import ensure_model_dir
 
     return RunSpec(
         sources=[PromptSource(path=str(path))],
@@ -284,7 +284,7 @@ def test_huge_row_is_rejected_as_too_long_without_being_tokenized(
 def test_planning_writes_each_shard_s_render_and_a_stale_one_is_not_used(tmp_path: Path) -> None:
     from datagen.chat import ChatTokenizer
     from datagen.identity import PromptIdentity
-    from datagen.preparation import read_rendered
+    from datagen.sources.preparation import read_rendered
 
     a = write_rows(tmp_path / "a.jsonl", 7)
     layout = RunLayout(tmp_path / "run")

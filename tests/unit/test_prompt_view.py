@@ -11,12 +11,12 @@ import pytest
 
 from datagen.chat import ChatTokenizer
 from datagen.identity import PromptIdentity
-from datagen.model_fixture import ensure_model_dir
-from datagen.preparation import Preparer, Unsendable
-from datagen.prompt_view import CHUNK_CHARS, content_over_limit, model_view, normalization_form
-from datagen.prompts import iter_prompts
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Completion, Message, Prompt, Reject
 from datagen.runspec import PromptSource
+from datagen.sources.preparation import Preparer, Unsendable
+from datagen.sources.prompt_view import CHUNK_CHARS, content_over_limit, model_view, normalization_form
+from datagen.sources.prompts import iter_prompts
 from tasks.tokenization import build_token_exact
 
 # Text that NFC changes: OHM SIGN -> GREEK CAPITAL OMEGA, e + COMBINING ACUTE -> é, CJK compatibility
@@ -92,7 +92,7 @@ def test_a_prompt_that_cannot_round_trip_is_a_load_reject_with_its_reason(chat: 
 
 
 def test_generation_prepares_through_the_same_view(chat: ChatTokenizer) -> None:
-    # One preparation (datagen.preparation) for load and generation: a shard rendered again at generation (no
+    # One preparation (datagen.sources.preparation) for load and generation: a shard rendered again at generation (no
     # render cache) gets the ids load hashed, and an unsendable prompt the same reason.
     prepare = Preparer(chat, True, 4096)
     for text in NOT_NFC.values():

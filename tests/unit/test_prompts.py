@@ -11,11 +11,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import datagen.prompts as prompts_mod
+import datagen.sources.prompts as prompts_mod
 from datagen.identity import prompt_id_from_messages
-from datagen.prompts import LOAD_REJECT_REASONS, PromptSourceError, iter_prompts
 from datagen.records import Message, Prompt, Reject
 from datagen.runspec import PromptSource
+from datagen.sources.prompts import LOAD_REJECT_REASONS, PromptSourceError, iter_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -279,7 +279,7 @@ def test_truncated_json_list_fails_loudly(tmp_path: Path) -> None:
 def test_empty_or_blank_system_prompt_is_kept_as_given(tmp_path: Path) -> None:
     # Issue 13.6: the loader dropped an empty system prompt, so the prompt differed from apply_chat_template.
     from datagen.chat import ChatTokenizer
-    from datagen.model_fixture import ensure_model_dir
+    from datagen.local.model_fixture import ensure_model_dir
 
     f = write_jsonl(
         tmp_path / "sys.jsonl",

@@ -7,9 +7,7 @@ from pathlib import Path
 import pytest
 
 from datagen.chat import IM_END_ID, ChatTokenizer
-from datagen.identity import prompt_id_from_messages
-from datagen.model_fixture import ensure_model_dir
-from datagen.quality import (
+from datagen.checks.quality import (
     QualityGateError,
     TokenDistribution,
     ValidationSummary,
@@ -17,6 +15,8 @@ from datagen.quality import (
     check_quality_gate,
     render_validation_report,
 )
+from datagen.identity import prompt_id_from_messages
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Completion
 from datagen.runspec import QualityGate, ValidationSpec
 from tasks.validation import validate_shards

@@ -1,4 +1,4 @@
-"""The every-turn state machine (datagen/regeneration.py) against the fixture model's real chat template.
+"""The every-turn state machine (datagen/conversation/regeneration.py) against the fixture model's real chat template.
 
 The lines it makes for a scripted conversation must be the ones `tests/turn_fixtures.build_conversation` writes
 for the same model outputs (the contract everything after generation reads), and each way a conversation ends
@@ -15,10 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from datagen.chat import IM_END_ID, ChatTokenizer
-from datagen.model_fixture import ensure_model_dir
-from datagen.preparation import Preparer, Unsendable
-from datagen.records import Completion, Message, Prompt, TokenRow
-from datagen.regeneration import (
+from datagen.conversation.regeneration import (
     COMPLETE,
     CONTEXT_EXCEEDED,
     RENDER_MISMATCH,
@@ -32,8 +29,11 @@ from datagen.regeneration import (
     StepRequest,
     step_record,
 )
+from datagen.conversation.toolcalls import answer_text, parse_tool_calls
+from datagen.local.model_fixture import ensure_model_dir
+from datagen.records import Completion, Message, Prompt, TokenRow
 from datagen.runspec import RunSpec
-from datagen.toolcalls import answer_text, parse_tool_calls
+from datagen.sources.preparation import Preparer, Unsendable
 from tasks.generation_turns import step_check
 from tests.turn_fixtures import (
     WEATHER_TOOLS,

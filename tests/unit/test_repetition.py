@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from datagen.chat import IM_END_ID, ChatTokenizer
-from datagen.model_fixture import ensure_model_dir
-from datagen.quality import check_completion
+from datagen.checks.quality import check_completion
+from datagen.checks.repetition import prose_loops, word_tokens
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Completion
-from datagen.repetition import prose_loops, word_tokens
 from datagen.runspec import ValidationSpec
 from tests.repetition_corpus import LEGIT, LOOPS, Sample, corpus
 
@@ -94,7 +94,7 @@ def test_an_interleaved_loop_of_40_percent_is_caught(chat: ChatTokenizer, words:
     parts = [f"{unit} {_sentence(rng, 4, 8)}" for _ in range(20)]
     text = f"{prose(rng, 5)} {' '.join(parts)}\n</think>\n\nThe answer is 12."
     c = _completion(chat, text)
-    from datagen.quality import repeated_ngram_share
+    from datagen.checks.quality import repeated_ngram_share
 
     assert 0.3 < repeated_ngram_share(c.output_ids) < SPEC.max_repeated_ngram_share
     assert check_completion(c, SPEC, True).accepted  # passed before

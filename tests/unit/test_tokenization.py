@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 from datagen.chat import IM_END_ID, THINK_END_ID, ChatTokenizer, TemplateError
-from datagen.dataset_card import DatasetSizes, Lineage, arrow_features_yaml, write_dataset_card
 from datagen.identity import prompt_id_from_messages
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.model_fixture import ensure_model_dir
+from datagen.publishing.dataset_card import DatasetSizes, Lineage, arrow_features_yaml, write_dataset_card
 from datagen.records import REJECT_SCHEMA, TOKEN_ROW_SCHEMA, Completion, Message, Reject
 from datagen.runspec import SamplingSpec
 from tasks.tokenization import RowRejected, build_rerendered, build_token_exact, tokenize_accepted

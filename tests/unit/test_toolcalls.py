@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from datagen.conversation.toolcalls import answer_text, parse_tool_calls
 from datagen.records import Completion, ToolCall
-from datagen.toolcalls import answer_text, parse_tool_calls
 
 TOOLS = [
     {
@@ -34,9 +34,9 @@ def test_two_calls_keep_their_order_and_reasoning_is_not_parsed() -> None:
 
 
 def test_template_renders_parsed_calls_back_to_the_same_text() -> None:
-    """What the template writes for a recorded call (datagen/model_fixture.py's Qwen3.6 template) parses back."""
+    """What the template writes for a recorded call (datagen/local/model_fixture.py's Qwen3.6 template) parses back."""
     from datagen.chat import ChatTokenizer
-    from datagen.model_fixture import ensure_model_dir
+    from datagen.local.model_fixture import ensure_model_dir
 
     chat = ChatTokenizer.shared(ensure_model_dir())
     (parsed,) = parse_tool_calls(CALL, TOOLS)

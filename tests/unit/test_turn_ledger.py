@@ -10,11 +10,11 @@ import pytest
 
 from datagen.chat import ChatTokenizer
 from datagen.checkpoint import CheckpointError
-from datagen.endpoints import ServerEndpoint
 from datagen.engine.dispatcher import Dispatcher
+from datagen.engine.endpoints import ServerEndpoint
 from datagen.identity import RequestKeys
 from datagen.layout import RunLayout
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Completion, Reject
 from datagen.runspec import RunSpec
 from tasks.generation import generate_shard, unsettled_requests

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from datagen.chat import ChatTokenizer
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Completion, Reject, TokenRow
 from datagen.runspec import ValidationSpec
 from tasks.tokenization import TokenizationSummary
@@ -291,7 +291,7 @@ def test_the_dataset_card_counts_conversations_and_turns(chat: ChatTokenizer, tm
     """Every turn: the card says how many conversations and user turns; a `last` card has no such counts."""
     import yaml
 
-    from datagen.dataset_card import Lineage, write_dataset_card
+    from datagen.publishing.dataset_card import Lineage, write_dataset_card
     from datagen.runspec import SamplingSpec
 
     _, _, _, summary = _run(tmp_path, chat, three_turn_tool_conversation(chat).steps)

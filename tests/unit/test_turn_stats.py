@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from datagen import report
+from datagen.conversation.turn_stats import StepTail, TurnSummary, conversations, is_step_row
 from datagen.engine.stats import DispatcherStats
+from datagen.operations import report
 from datagen.records import Completion, Message, Reject
-from datagen.turn_stats import StepTail, TurnSummary, conversations, is_step_row
 
 
 def step(

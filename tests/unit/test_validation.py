@@ -9,9 +9,15 @@ from pathlib import Path
 import pytest
 
 from datagen.chat import IM_END_ID, THINK_END_ID, ChatTokenizer
+from datagen.checks.quality import (
+    VALIDATION_REASONS,
+    DuplicateIndex,
+    check_completion,
+    find_loops,
+    repeated_ngram_share,
+)
 from datagen.identity import prompt_id_from_messages
-from datagen.model_fixture import ensure_model_dir
-from datagen.quality import VALIDATION_REASONS, DuplicateIndex, check_completion, find_loops, repeated_ngram_share
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Completion, Reject
 from datagen.runspec import ValidationSpec
 from tasks.validation import SUMMARY_NAME, render_validation_report, validate_shards

@@ -92,7 +92,7 @@ def segments(steps: list[Completion]) -> list[Segment]:
 def ending_verdict(c: Completion, expected_step: int, previous_turn: int) -> tuple[str, str] | None:
     """(reason, detail) when this step's own record cuts the conversation here, else None.
 
-    Beyond the per-sample checks (datagen.quality): a step the engine ended the conversation with because nothing
+    Beyond the per-sample checks (datagen.checks.quality): a step the engine ended the conversation with because nothing
     can follow it (`truncated`, or finish reason `length` however `reject_truncated` is set) or because a
     per-turn check failed (`rejected_<reason>`: that reason), and a step out of sequence.
     """

@@ -5,7 +5,7 @@ the form then opens on the laptop's values (bundled prompts, fixture model, demo
 production defaults of `RunSpec()`. A deployment's own values (prefect.yaml's `parameters`, e.g.
 scheduled-expansion's `namespace: auto`) win over the file's.
 
-    python -m datagen.deploy_defaults .datagen/laptop/run-spec.json   # PREFECT_API_URL (+ auth) in the env
+    python -m datagen.operations.deploy_defaults .datagen/laptop/run-spec.json   # PREFECT_API_URL (+ auth) in the env
 """
 
 from __future__ import annotations
@@ -66,7 +66,9 @@ def apply_defaults(spec_fields: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m datagen.deploy_defaults", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m datagen.operations.deploy_defaults", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("run_spec", type=Path, help="JSON file of run-spec fields (or {'spec': {...}})")
     args = parser.parse_args(argv)
     names = apply_defaults(read_spec_fields(args.run_spec))

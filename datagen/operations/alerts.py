@@ -4,13 +4,13 @@ How it fits together:
 
 - Every deployed flow has `on_failure=[announce_failure]`. When a run ends Failed, the hook emits one event,
   `datagen.flow-run.failed`, whose payload holds the failing task's name and the short reason, as
-  `datagen.failure` finds them from the exception that ended the run (the run's state message says the same).
+  `datagen.operations.failure` finds them from the exception that ended the run (the run's state message says the same).
 - A crashed run (worker killed, box gone) runs no hook; Prefect's server emits `prefect.flow-run.Crashed`.
 - One automation (`AUTOMATION_NAME`) reacts to either event of any deployment's run and sends a
   notification through a Prefect notification block (Slack, Teams, e-mail, a custom webhook, ...).
 
-    python -m datagen.alerts install --webhook-url https://hooks.example.com/...   # custom webhook block
-    python -m datagen.alerts install --block slack-webhook/team-alerts              # an existing block
+    python -m datagen.operations.alerts install --webhook-url https://hooks.example.com/...   # custom webhook block
+    python -m datagen.operations.alerts install --block slack-webhook/team-alerts              # an existing block
 
 `infra/deploy.sh` runs `install` when DATAGEN_ALERT_WEBHOOK_URL or DATAGEN_ALERT_BLOCK is set. Installing
 again replaces the automation (same name), so it is safe after every deploy.
@@ -25,7 +25,7 @@ from uuid import UUID
 
 from pydantic import SecretStr
 
-from datagen import failure
+from datagen.operations import failure
 
 __all__ = [
     "AUTOMATION_NAME",
@@ -59,13 +59,13 @@ def announce_failure(flow: Any, flow_run: Any, state: Any) -> None:
     """`on_failure` hook: emit `datagen.flow-run.failed` naming the failing task and its message."""
     from prefect.events import emit_event
 
-    # The state holds the exception that ended the run (datagen.failure.reported): the task it came from.
+    # The state holds the exception that ended the run (datagen.operations.failure.reported): the task it came from.
     failed = failure.of_state(state, getattr(flow, "name", "the flow")) if state is not None else None
     try:
         report = failure.report_url(flow_run.id) or ""
     except Exception as exc:  # the notification still goes out, without the link
         report = ""
-        print(f"datagen.alerts: could not read the run-failure artifact: {exc}", file=sys.stderr)
+        print(f"datagen.operations.alerts: could not read the run-failure artifact: {exc}", file=sys.stderr)
     related: list[dict[str, str]] = []
     if getattr(flow_run, "deployment_id", None):
         related.append(
@@ -94,7 +94,7 @@ def automation_definition(block_document_id: UUID | str, body: str = NOTIFICATIO
         "name": AUTOMATION_NAME,
         "description": (
             "Notifies when a run of any datagen deployment fails (with the failing task and its message) or "
-            "crashes. Installed by `python -m datagen.alerts install` (infra/deploy.sh)."
+            "crashes. Installed by `python -m datagen.operations.alerts install` (infra/deploy.sh)."
         ),
         "enabled": True,
         "trigger": {
@@ -145,10 +145,12 @@ def _existing_block(slug: str) -> UUID:
     from prefect.blocks.core import Block
 
     if "/" not in slug:
-        raise SystemExit(f"datagen.alerts: --block {slug!r}: expected BLOCK-TYPE/NAME, e.g. slack-webhook/team-alerts")
+        raise SystemExit(
+            f"datagen.operations.alerts: --block {slug!r}: expected BLOCK-TYPE/NAME, e.g. slack-webhook/team-alerts"
+        )
     block: Any = Block.load(slug)
     if block._block_document_id is None:
-        raise SystemExit(f"datagen.alerts: block {slug!r} has no document id")
+        raise SystemExit(f"datagen.operations.alerts: block {slug!r} has no document id")
     return UUID(str(block._block_document_id))
 
 
@@ -166,7 +168,7 @@ def install(
     from prefect.events.schemas.automations import AutomationCore
 
     if bool(webhook_url) == bool(block):
-        raise SystemExit("datagen.alerts: give exactly one of --webhook-url and --block")
+        raise SystemExit("datagen.operations.alerts: give exactly one of --webhook-url and --block")
     block_id = _webhook_block(webhook_url, bearer_token) if webhook_url else _existing_block(str(block))
     automation = AutomationCore.model_validate(automation_definition(block_id, body))
     with get_client(sync_client=True) as client:
@@ -177,8 +179,8 @@ def install(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m datagen.alerts install|show`."""
-    parser = argparse.ArgumentParser(prog="python -m datagen.alerts", description=__doc__.split("\n\n")[0])
+    """`python -m datagen.operations.alerts install|show`."""
+    parser = argparse.ArgumentParser(prog="python -m datagen.operations.alerts", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     inst = sub.add_parser("install", help="create or replace the automation on the Prefect server")
     inst.add_argument("--webhook-url", help="URL that receives a JSON POST {subject, text}")

@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, Field
 
 from datagen import __version__
-from datagen.conversation_export import CONVERSATIONS_GLOB
+from datagen.conversation.export import CONVERSATIONS_GLOB
 from datagen.records import TOKEN_ROW_SCHEMA
 from datagen.runspec import SamplingSpec
 

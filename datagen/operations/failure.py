@@ -75,7 +75,7 @@ def reason(exc: BaseException, work_dir: Path | None = None) -> str:
     An exception's `headline` (a short form of a long report) wins; otherwise the first line of its message,
     with the `- item` lines under it joined by "; " (other lines after a space). A full disk names its path.
     """
-    from datagen.diskspace import full_disk_message
+    from datagen.operations.diskspace import full_disk_message
 
     disk = full_disk_message(exc, work_dir or Path.cwd())
     if disk is not None:

@@ -28,8 +28,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from datagen.faults import kill_point
-from datagen.storage import ObjectExists, ObjectStore
+from datagen.operations.faults import kill_point
+from datagen.publishing.storage import ObjectExists, ObjectStore
 
 __all__ = [
     "CATALOG_DIR",
@@ -56,7 +56,7 @@ CATALOG_DIR = "_catalog/"
 EXPANSION_PREFIX = "expansion_v"
 _PART_SUFFIX = ".prompt-ids.parquet"
 _LOAD_REJECTS_SUFFIX = ".load-rejects.parquet"
-_ROW_KEY_PREFIX = "row:"  # datagen.prompts.LOAD_REJECT_KEY_PREFIX (storage code does not import the loaders)
+_ROW_KEY_PREFIX = "row:"  # datagen.sources.prompts.LOAD_REJECT_KEY_PREFIX (storage code does not import the loaders)
 _MANIFEST = "manifest.json"  # tasks.publishing.MANIFEST_NAME; repeated here so storage code does not import tasks
 _EXPANSION_RE = re.compile(rf"^{EXPANSION_PREFIX}(\d+)$")
 

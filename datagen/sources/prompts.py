@@ -10,7 +10,7 @@ Formats, detected per row unless the source names one:
 - OpenAI: `{"messages": [{"role": "user"|"assistant"|"system", "content": str | [{"type": "text", "text": str}]}]}`
 - Alpaca: `{"instruction": str, "input": str?, "output": ignored, "system": str?}`
 
-Tool turns, assistant tool calls and a row's `tools` list (OpenAI and ShareGPT forms): datagen.conversations.
+Tool turns, assistant tool calls and a row's `tools` list (OpenAI and ShareGPT forms): datagen.sources.tool_turns.
 A trailing assistant turn is dropped (it is what we regenerate; with a ShareGPT call turn after it, both);
 earlier turns and a leading system prompt are kept; the last kept turn must be a user or tool turn.
 """
@@ -27,7 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from datagen.conversations import (
+from datagen.identity import PromptIdentity, prompt_id_from_messages
+from datagen.records import Message, Prompt, Reject, Role
+from datagen.runspec import PromptSource
+from datagen.sources.preparation import Unsendable
+from datagen.sources.tool_turns import (
     CALL_SPEAKERS,
     RESULT_SPEAKERS,
     TOOL_REJECT_REASONS,
@@ -35,10 +39,6 @@ from datagen.conversations import (
     row_tools,
     turn_message,
 )
-from datagen.identity import PromptIdentity, prompt_id_from_messages
-from datagen.preparation import Unsendable
-from datagen.records import Message, Prompt, Reject, Role
-from datagen.runspec import PromptSource
 
 __all__ = ["LOAD_REJECT_KEY_PREFIX", "LOAD_REJECT_REASONS", "LOCAL_SUFFIXES", "PromptSourceError", "iter_prompts"]
 

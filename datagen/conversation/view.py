@@ -1,6 +1,6 @@
 """`datagen inspect NAMESPACE --conversation [ID]`: one published conversation, readable in a terminal.
 
-Reads the namespace's `conversations/*.jsonl` (SpecForge's schema, datagen.conversation_export) through
+Reads the namespace's `conversations/*.jsonl` (SpecForge's schema, datagen.conversation.export) through
 `ObjectStore.iter_lines`, streaming, so the first conversation of a large file shows without downloading it.
 Read tolerantly: `tools` and a call's `arguments` as JSON text or as objects, list content, an `outcome` at the
 line's top level (every-turn mode: why the conversation ended) or none, keys it does not know ignored.
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from datagen.storage import ObjectStore
+from datagen.publishing.storage import ObjectStore
 
 __all__ = ["FoundConversation", "find_conversation", "render_conversation"]
 

@@ -2,7 +2,7 @@
 
 `LocalS3` runs one server for the life of a `with` block; the CLI runs one in the background:
 
-    python -m datagen.localstack start|stop|status --state-dir DIR [--port N] [--bucket NAME]
+    python -m datagen.local.localstack start|stop|status --state-dir DIR [--port N] [--bucket NAME]
 
 A state directory holds `data/` (objects), `security.toml` (random JWT keys: the filer port then answers 401
 instead of serving and overwriting objects without auth), `weed.pid`, `weed.log` and `s3.env` (the
@@ -469,7 +469,7 @@ def _write_env_file(path: Path, values: dict[str, str]) -> None:
     # The file holds the secret: created 0600 before anything is written into it.
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write("# Local S3 (SeaweedFS) written by `python -m datagen.localstack start`; source it.\n")
+        f.write("# Local S3 (SeaweedFS) written by `python -m datagen.local.localstack start`; source it.\n")
         for key, value in values.items():
             f.write(f"export {key}='{value}'\n")
 
@@ -584,7 +584,7 @@ def stop(state_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: start|stop|status a background local S3 server kept in --state-dir."""
-    parser = argparse.ArgumentParser(prog="python -m datagen.localstack", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m datagen.local.localstack", description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["start", "stop", "status"])
     parser.add_argument("--state-dir", type=Path, required=True, help="Data, logs, pid file and s3.env live here.")
     parser.add_argument("--port", type=int, default=None, help="S3 port (default: the previous one, else random).")

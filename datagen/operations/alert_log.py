@@ -1,7 +1,7 @@
 """Failure alerts on a laptop: a webhook listener on loopback that writes each alert as one line of a log file.
 
-A team's server sends alerts to Slack, e-mail or a webhook (`datagen.alerts`, DEPLOY.md section 7); a laptop has
-none of those. `start` runs a small HTTP listener on 127.0.0.1 in the background and installs datagen's failure
+A team's server sends alerts to Slack, e-mail or a webhook (`datagen.operations.alerts`, DEPLOY.md section 7); a laptop
+has none of those. `start` runs a small HTTP listener on 127.0.0.1 in the background and installs datagen's failure
 automation with a custom-webhook block that posts to it. The Prefect server (on the same laptop) sends each alert
 there, and the listener appends one line to `alerts.log` in the state directory:
 
@@ -9,8 +9,9 @@ there, and the listener appends one line to `alerts.log` in the state directory:
     environment: 1 of 24 environment checks failed: engine.attention_backend: ... | why, with links:
     http://127.0.0.1:4200/v2/artifacts/artifact/<id> | http://127.0.0.1:4200/v2/runs/flow-run/<id>   (one line)
 
-    python -m datagen.alert_log start --state-dir .datagen/laptop   # PREFECT_API_URL (+ auth) in the environment
-    python -m datagen.alert_log stop --state-dir .datagen/laptop
+    # PREFECT_API_URL (+ auth) in the environment:
+    python -m datagen.operations.alert_log start --state-dir .datagen/laptop
+    python -m datagen.operations.alert_log stop --state-dir .datagen/laptop
     tail -f .datagen/laptop/alerts.log
 
 The listener is on loopback and takes only posts that carry its bearer token (`Authorization: Bearer ...`): each
@@ -35,8 +36,8 @@ from pathlib import Path
 
 from pydantic import SecretStr
 
-from datagen import alerts
-from datagen.localstack import stop_pid
+from datagen.local.localstack import stop_pid
+from datagen.operations import alerts
 
 __all__ = ["LINE_TEMPLATE", "LOG_NAME", "alert_line", "main", "serve", "start", "stop"]
 
@@ -47,7 +48,8 @@ _TOKEN_NAME = "alert-log.token"
 _MAX_BODY = 1 << 20
 READY_TIMEOUT_S = 30.0
 
-# The notification text (Jinja, rendered by Prefect's server): what datagen.alerts.NOTIFICATION_BODY says, on one line.
+# The notification text (Jinja, rendered by Prefect's server): what datagen.operations.alerts.NOTIFICATION_BODY
+# says, on one line.
 LINE_TEMPLATE = (
     "{{ flow_run.name }} ({{ deployment.name }}) ended {{ flow_run.state.name }} | "
     "{% if event.payload.failed_task %}failing task: {{ event.payload.failed_task }}: {{ event.payload.task_message }}"
@@ -125,7 +127,7 @@ def start(state_dir: Path) -> str:
     port_file = state_dir / _PORT_NAME
     if _running_pid(state_dir) is None or not port_file.is_file():
         stop(state_dir)  # a listener whose port is not known is of no use
-        command = [sys.executable, "-m", "datagen.alert_log", "serve", "--state-dir", str(state_dir)]
+        command = [sys.executable, "-m", "datagen.operations.alert_log", "serve", "--state-dir", str(state_dir)]
         with (state_dir / "alert-log.err").open("ab") as err:
             proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
         (state_dir / _PID_NAME).write_text(str(proc.pid), encoding="utf-8")
@@ -151,8 +153,10 @@ def stop(state_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m datagen.alert_log start|stop|serve --state-dir DIR`."""
-    parser = argparse.ArgumentParser(prog="python -m datagen.alert_log", description=__doc__.split("\n\n")[0])
+    """`python -m datagen.operations.alert_log start|stop|serve --state-dir DIR`."""
+    parser = argparse.ArgumentParser(
+        prog="python -m datagen.operations.alert_log", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("command", choices=["start", "stop", "serve"])
     parser.add_argument("--state-dir", type=Path, default=Path(".datagen") / "laptop", help="where alerts.log goes")
     args = parser.parse_args(argv)

@@ -23,8 +23,8 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from datagen.chat import ENDOFTEXT_ID, IM_END_ID, THINK_END_ID, THINK_START_ID
+from datagen.checks.repetition import prose_loops, word_share
 from datagen.records import Completion, Reject
-from datagen.repetition import prose_loops, word_share
 from datagen.runspec import QualityGate, ValidationSpec
 
 __all__ = [
@@ -77,7 +77,7 @@ VALIDATION_REASONS: tuple[str, ...] = (
     "repetition",  # prose 8-grams recurring 5+ times over max_loop_coverage, or most 8-grams repeat: a loop in pieces
     "duplicate_request",  # the same request key twice (a checkpoint written twice)
     "duplicate_completion",  # the same output ids for a different prompt
-    # Every-turn conversations (datagen/segments.py): a conversation is cut at its first failing step.
+    # Every-turn conversations (datagen/conversation/segments.py): a conversation is cut at its first failing step.
     "earlier_turn_rejected",  # a user turn after the one that cut its conversation
     "missing_step",  # the conversation's steps do not follow 0, 1, 2, ... (a step line is missing)
 )
@@ -229,7 +229,7 @@ def check_completion(
 ) -> Verdict:
     """Run every stateless per-sample check; the first failing one names the reject reason.
 
-    `words` (datagen.repetition.word_tokens) tells repeated structure from loops; without it every repeated
+    `words` (datagen.checks.repetition.word_tokens) tells repeated structure from loops; without it every repeated
     block counts as a loop and interleaved prose loops are looked for only by the 8-gram share.
 
     Thinking outputs are judged on reasoning and answer together: tiny reasoning with a tiny answer is a

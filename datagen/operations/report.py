@@ -20,10 +20,10 @@ from urllib.parse import urlsplit
 from uuid import UUID
 
 from datagen.checkpoint import read_rows
-from datagen.dataset_card import CARD_NAME
+from datagen.conversation.turn_stats import COMPLETE, StepTail, TurnCounts
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.stats import DispatcherStats
-from datagen.turn_stats import COMPLETE, StepTail, TurnCounts
+from datagen.publishing.dataset_card import CARD_NAME
 
 __all__ = [
     "ProgressReporter",

@@ -33,11 +33,11 @@ from itertools import pairwise
 from typing import Any
 
 from datagen.chat import TemplateError
-from datagen.conversation_export import assistant_turn, assistant_view
-from datagen.preparation import Preparer, Unsendable
+from datagen.conversation.export import assistant_turn, assistant_view
+from datagen.conversation.segments import cut_outcome
+from datagen.conversation.toolcalls import answer_text, parse_tool_calls
 from datagen.records import Completion, Message, Prompt
-from datagen.segments import cut_outcome
-from datagen.toolcalls import answer_text, parse_tool_calls
+from datagen.sources.preparation import Preparer, Unsendable
 
 __all__ = [
     "COMPLETE",
@@ -84,7 +84,8 @@ OUTCOMES = frozenset(
     }
 )
 
-# A per-sample check of a generated step (datagen.quality's, as validation runs it): (reason, detail) when it fails.
+# A per-sample check of a generated step (datagen.checks.quality's, as validation runs it): (reason, detail) when
+# it fails.
 StepCheck = Callable[[Completion], tuple[str, str] | None]
 
 STEP_KEY_SEPARATOR = ":step-"  # a step's request key: the conversation's request key + ":step-N"

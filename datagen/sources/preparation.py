@@ -1,6 +1,6 @@
 """Request preparation: a prompt's messages -> the token ids a server is sent, or why it cannot be sent.
 
-One function (`Preparer`, over datagen.prompt_view's model view: normalized text, round trip, tokenizing bounded
+One function (`Preparer`, over datagen.sources.prompt_view's model view: normalized text, round trip, tokenizing bounded
 by the limit) serves the loader, where a prompt's id is the hash of these ids (datagen.identity),
 and generation. The render happens once, at planning: the loader's ids travel with each `Prompt` in memory
 and planning writes them beside the shard's prompts file (`shard-NNNNN.input-ids.arrow`), so generation reads
@@ -25,9 +25,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from datagen.chat import ChatTokenizer, Tools
-from datagen.prompt_view import PromptView, PromptViewError, model_view
+from datagen.publishing.storage import sha256_file
 from datagen.records import Message
-from datagen.storage import sha256_file
+from datagen.sources.prompt_view import PromptView, PromptViewError, model_view
 
 __all__ = [
     "Preparer",
@@ -72,7 +72,7 @@ class Preparer:
         return self.view(messages, tools).ids
 
     def view(self, messages: list[Message], tools: Tools = None) -> PromptView:
-        """The prompt as the model sees it (ids, normalized messages; datagen.prompt_view); raises Unsendable.
+        """The prompt as the model sees it (ids, normalized messages; datagen.sources.prompt_view); raises Unsendable.
 
         The one check of what can be sent, at load and in generation alike: `template_error`,
         `prompt_too_long` (work bounded by the limit, not the row's size), `invalid_unicode`,

@@ -1,6 +1,6 @@
 """Tool-calling conversations as rows hold them: tools lists, assistant tool calls and tool turns, loaded as Messages.
 
-The loader (datagen.prompts) reads a row's turns; this module turns the tool parts into what the chat template
+The loader (datagen.sources.prompts) reads a row's turns; this module turns the tool parts into what the chat template
 reads, or refuses them with a load reject that says what and where:
 
 - OpenAI: `{"messages": [..., {"role": "assistant", "content": ..., "tool_calls": [{"type": "function",
@@ -24,8 +24,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from datagen.preparation import Unsendable
 from datagen.records import Message, Role, ToolCall
+from datagen.sources.preparation import Unsendable
 
 __all__ = ["CALL_SPEAKERS", "RESULT_SPEAKERS", "TOOL_REJECT_REASONS", "close_calls", "row_tools", "turn_message"]
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from datagen.report import human_bytes
-from datagen.storage import ObjectStore, StorageError
+from datagen.operations.report import human_bytes
+from datagen.publishing.storage import ObjectStore, StorageError
 
 __all__ = ["inspect_namespace", "list_namespaces"]
 

@@ -175,7 +175,8 @@ class TurnSummary(BaseModel):
     finished: int = Field(description="Conversations that ended (their last step has an outcome, or a reject).")
     steps: int = Field(description="Generated steps (one generation each).")
     user_turns: int = Field(description="User turns reached (with at least one generated step).")
-    # Distributions (datagen.turn_stats.distribution): counts and percentiles stay integers, means are floats.
+    # Distributions (datagen.conversation.turn_stats.distribution): counts and percentiles stay integers, means are
+    # floats.
     output_tokens_per_step: dict[str, int | float]
     steps_per_user_turn: dict[str, int | float]
     user_turns_per_conversation: dict[str, int | float]

@@ -1,0 +1,1 @@
+"""The unit of work: a conversation's script, its generated steps, segments, export and counts."""

@@ -1,0 +1,1 @@
+"""Operating the run: Prefect deployments and workers, failures, alerts, reports and inspection."""
