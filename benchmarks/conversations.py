@@ -40,6 +40,7 @@ from typing import Any
 from benchmarks.generation import _cpu_s, _Monitor, _phases, _RssSampler, _standin_pid
 from datagen.chat import ChatTokenizer
 from datagen.checkpoint import read_rows
+from datagen.conversation.turn_mode import expected_steps
 from datagen.endpoints import ServerEndpoint
 from datagen.engine.dispatcher import Dispatcher
 from datagen.identity import RequestKeys, prompt_id_from_messages
@@ -52,7 +53,6 @@ from datagen.runspec import RunSpec, SamplingSpec
 from datagen.standin.testing import run_standin
 from tasks.chains import POLICIES, Chain, ChainRun, simulate_chains
 from tasks.generation import generate_shard
-from tasks.generation_turns import expected_steps
 from tasks.pilot import DecodeModel
 
 __all__ = ["main", "workload"]

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from datagen.conversation.ledger import read_ledger
 from datagen.conversation_export import assistant_turn
 from datagen.layout import RunLayout
 from datagen.records import Completion, Message, Reject
 from datagen.regeneration import step_key
 from datagen.storage import ObjectStore
 from tasks.generation import ShardResult
-from tasks.generation_turns import read_ledger
 from tasks.shard_exchange import IncompleteShard, ShardExchange
 
 SHARD = 2

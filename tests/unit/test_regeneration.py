@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from datagen.chat import IM_END_ID, ChatTokenizer
+from datagen.conversation.turn_mode import step_check
 from datagen.model_fixture import ensure_model_dir
 from datagen.preparation import Preparer, Unsendable
 from datagen.records import Completion, Message, Prompt, TokenRow
@@ -34,7 +35,6 @@ from datagen.regeneration import (
 )
 from datagen.runspec import RunSpec
 from datagen.toolcalls import answer_text, parse_tool_calls
-from tasks.generation_turns import step_check
 from tests.turn_fixtures import (
     WEATHER_TOOLS,
     Built,
