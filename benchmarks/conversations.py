@@ -40,6 +40,7 @@ from datagen.chat import ChatTokenizer
 from datagen.checkpoint import read_rows
 from datagen.checks.repetition import word_tokens
 from datagen.conversation.regeneration import Script, split_step_key
+from datagen.conversation.turn_mode import expected_steps
 from datagen.engine.endpoints import ServerEndpoint
 from datagen.identity import RequestKeys, prompt_id_from_messages
 from datagen.layout import RunLayout
@@ -48,7 +49,6 @@ from datagen.records import Message, Prompt
 from datagen.runspec import RunSpec, SamplingSpec
 from datagen.standin.testing import run_standin
 from tasks.chains import POLICIES, Chain, ChainRun, DecodeModel, simulate_chains
-from tasks.generation_turns import expected_steps
 
 __all__ = ["main", "workload"]
 

@@ -63,7 +63,7 @@ from flows.expand_dataset import (
     publish_dataset,
     published_before,
 )
-from tasks import generation, generation_turns, planning, publishing
+from tasks import generation, planning, publishing
 from tasks.planning import ShardPlan
 from tasks.serving import serving
 from tasks.shard_exchange import CheckpointSync, CollectedShard, Lease, ShardExchange, ShardExchangeError
@@ -257,7 +257,7 @@ def _preflight(store: ObjectStore, namespace: str) -> None:
 def _expected_keys(layout: RunLayout, shard_id: int, spec: RunSpec, chat: ChatTokenizer) -> set[str] | dict[str, str]:
     """The shard's request keys; `turns: every`: its conversations' keys, each with its prompt id."""
     if spec.turns == "every":
-        return generation_turns.conversation_keys(layout, shard_id, chat, spec)
+        return generation.conversation_keys(layout, shard_id, chat, spec)
     key_of = RequestKeys(spec.sampling, chat)
     return {key_of(prompt.prompt_id) for prompt in generation.read_prompts(layout.shard_prompts(shard_id))}
 

@@ -28,13 +28,13 @@ from pydantic import BaseModel, Field
 
 from datagen.checkpoint import read_rows
 from datagen.conversation.regeneration import Script, is_query, split_step_key
+from datagen.conversation.turn_mode import expected_steps
 from datagen.conversation.turn_stats import Step, TurnSummary, conversations, distribution, is_step_row
 from datagen.layout import RunLayout
 from datagen.records import Message, Prompt
 from datagen.sources.preparation import Unsendable
 from tasks.chains import Chain, DecodeModel, simulate_chains
 from tasks.generation import read_prompts
-from tasks.generation_turns import expected_steps
 from tasks.ordering import SHRINKAGE, GroupStat, LengthModel, LengthSample, prompt_chars
 from tasks.planning import ShardPlan
 
@@ -304,7 +304,7 @@ def chain_walls(
 
     Each source's sampled conversations stand for its population (each repeated by its weight; a conversation
     refused on its first step takes no decode time). A freed slot takes the ready step with the most expected work
-    left, as the shard driver ranks (`tasks.generation_turns`: the pilot's length model over the conversation's
+    left, as the shard driver ranks (`tasks.generation`: the pilot's length model over the conversation's
     expected steps, a share per step); plan order breaks ties: long-first by that prediction (`wall_s`, what
     `order: long_first` plans), or a seeded shuffle (`wall_s_source`).
     """

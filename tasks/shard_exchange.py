@@ -16,13 +16,14 @@ expired owns the shard. Lease expiry is read against each box's own clock: keep 
 A box that loses its lease while still working only wastes work: parts may then hold a request twice,
 and every reader dedupes by request_key (a completion wins over a reject, then the first part in key order).
 
-In `turns: every` mode a row is one step of a conversation (request key `<key>:step-N`, tasks/generation_turns.py)
-and rows are merged per conversation, not per key: two owners that both generated step N (the first kept working
-after its lease was taken over) wrote two different step-N lines, and step N+1 of each follows only its own.
+In `turns: every` mode a row is one step of a conversation (request key `<key>:step-N`,
+datagen/conversation/turn_mode.py) and rows are merged per conversation, not per key: two owners that both
+generated step N (the first kept working after its lease was taken over) wrote two different step-N lines, and
+step N+1 of each follows only its own.
 Readers keep one chain of step lines per conversation, each line following the one before it
 (`datagen.conversation.regeneration.follows`): a settled chain (its last line has an outcome, or a reject line
-settles the step after it) over an unsettled one, then the longer,
-then the one whose line comes first in part key order.
+settles the step after it) over an unsettled one, then the longer, then the one whose line comes first in part
+key order.
 The other owner's lines are dropped and named in `ShardRows.conflicts`. A shard is complete when every one of
 its conversations is settled.
 """
@@ -44,13 +45,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.checkpoint import CheckpointLine, CheckpointTail, json_row, lines_of, read_lines, write_lines
+from datagen.conversation.ledger import read_ledger
 from datagen.conversation.regeneration import follows, split_step_key
 from datagen.layout import RunLayout
 from datagen.publishing.storage import ObjectExists, ObjectStore
 from datagen.records import Completion
 from datagen.sources.preparation import install_rendered, rendered_path
 from tasks.generation import ShardResult
-from tasks.generation_turns import read_ledger
 from tasks.planning import ShardPlan, plan_manifest_path
 
 __all__ = [
@@ -570,7 +571,7 @@ class ShardExchange:
         """Write the shard's merged rows into the local checkpoint files; they must hold exactly expected_keys.
 
         `turns: every`: expected_keys are the shard's conversation keys (a dict: each one's prompt id, for the
-        messages), and every conversation must be settled by its kept chain (tasks/generation_turns.read_ledger
+        messages), and every conversation must be settled by its kept chain (datagen/conversation/ledger.read_ledger
         reads the files written here, as a rerun of the shard would).
         """
         if self.store.head(self.done_key(shard_id)) is None:

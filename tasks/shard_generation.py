@@ -1,7 +1,6 @@
-"""What both shard drivers share (tasks/generation.py for `turns: last`, tasks/generation_turns.py for `every`).
-
-The shard's prompts, the stage's result, and the two records a finished or refused request becomes: the
-checkpoint line of a completion and the generation reject row. Neither driver imports the other.
+"""The shard driver's records (tasks/generation.py): the shard's prompts, the stage's result, the requests in flight,
+and the two records a finished or refused request becomes: the checkpoint line of a completion and the generation
+reject row.
 """
 
 from __future__ import annotations

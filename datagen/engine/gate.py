@@ -151,7 +151,7 @@ class ShardShares:
     """The shards sending now, so each can tell its share of the box's requests; thread-safe.
 
     Every-turn shard workers rank their requests by the work their conversations have left across shards
-    (tasks/generation_turns.py). A shard holding fewer requests than its share (the queue limit over the shards
+    (tasks/generation.py). A shard holding fewer requests than its share (the queue limit over the shards
     sending) still goes first, in plan order: no shard is starved by heavier ones, and the lowest shards, which
     the finishing stream waits for, keep advancing.
     """

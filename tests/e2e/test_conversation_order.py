@@ -16,6 +16,7 @@ import pytest
 
 import tasks.generation as generation
 from datagen.chat import ChatTokenizer
+from datagen.conversation.turn_mode import expected_steps
 from datagen.engine.dispatcher import Dispatcher, GenerateJob
 from datagen.identity import prompt_id_from_messages
 from datagen.layout import RunLayout
@@ -23,7 +24,6 @@ from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Prompt
 from datagen.runspec import RunSpec, SamplingSpec
 from datagen.standin.testing import run_standin
-from tasks.generation_turns import expected_steps, send_order
 from tasks.ordering import GroupStat, LengthModel
 from tasks.pilot import PILOT_JSON
 
@@ -137,16 +137,6 @@ def test_no_shard_waits_past_its_share(tmp_path: Path, monkeypatch: pytest.Monke
     # once it asks (one of shard 0's may go while shard 1's worker starts on a busy machine). Before, shard 0,
     # lower in plan order and always waiting for the next place, kept the queue while it had steps to send.
     assert first_light - started_at <= 1, (started_at, first_light, submitted)
-
-
-def test_send_order_puts_a_shard_within_its_share_first() -> None:
-    within = send_order(shard=5, row=9, work=1, held=0, share=2)
-    beyond = send_order(shard=0, row=0, work=1000, held=2, share=2)
-    assert within < beyond
-    # Beyond their shares, most work first across shards; within, plan order (then most work).
-    assert send_order(3, 0, 900, 4, 2) < send_order(0, 0, 100, 4, 2)
-    assert send_order(0, 7, 1, 0, 2) < send_order(1, 0, 900, 0, 2)
-    assert send_order(0, 7, 50, 0, 2) < send_order(0, 2, 10, 0, 2)
 
 
 def test_the_pilots_lengths_rank_conversations_when_its_projection_is_there(

@@ -1,4 +1,8 @@
-"""generate_shard end to end against real stand-in server processes over HTTP."""
+"""generate_shard end to end against real stand-in server processes over HTTP.
+
+One driver for both turn modes: a single-turn prompt is a conversation of one step, so the bookkeeping tests run
+in both (the `spec` fixture); only the step's key form and record differ (datagen/conversation/turn_mode.py).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import httpx
 import pytest
 
 from datagen.chat import IM_END_ID, ChatTokenizer
+from datagen.conversation.turn_mode import turn_mode
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.endpoints import ServerEndpoint
 from datagen.identity import prompt_id_from_messages, request_key
@@ -41,6 +46,12 @@ SPEC = RunSpec(
     max_prompt_tokens=400,
     turns="last",
 )
+
+
+@pytest.fixture(params=["last", "every"])
+def spec(request: pytest.FixtureRequest) -> RunSpec:
+    """SPEC in each turn mode."""
+    return SPEC.model_copy(update={"turns": request.param})
 
 
 @pytest.fixture(scope="module")
@@ -110,12 +121,18 @@ def rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def check_ledger(result: ShardResult, prompts: list[Prompt], chat: ChatTokenizer) -> list[Completion]:
-    """Every prompt settled exactly once, counts add up, checksum and tokens match the file."""
+def check_ledger(
+    result: ShardResult, prompts: list[Prompt], chat: ChatTokenizer, spec: RunSpec = SPEC
+) -> list[Completion]:
+    """Every prompt settled exactly once (its one step, keyed as `spec`'s mode keys it), counts add up, checksum and
+    tokens match the file."""
     completions = [Completion.from_json(json.dumps(r)) for r in rows(Path(result.completions_path))]
     rejects = [Reject.from_json(json.dumps(r)) for r in rows(Path(result.rejects_path))]
     keys = [c.request_key for c in completions] + [r.request_key for r in rejects]
-    expected = {request_key(p.prompt_id, SPEC.sampling, chat.fingerprint, chat.template_hash) for p in prompts}
+    mode = turn_mode(spec)
+    expected = {
+        mode.step_key(request_key(p.prompt_id, spec.sampling, chat.fingerprint, chat.template_hash), 0) for p in prompts
+    }
     assert len(keys) == len(set(keys)) and set(keys) == expected
     assert result.n_prompts == len(prompts) == result.n_completed + result.n_rejected
     assert (result.n_completed, result.n_rejected) == (len(completions), len(rejects))
@@ -131,7 +148,7 @@ def check_ledger(result: ShardResult, prompts: list[Prompt], chat: ChatTokenizer
 
 
 def test_shard_completes_and_counts_add_up_then_rerun_sends_nothing(
-    tmp_path: Path, model_dir: Path, chat: ChatTokenizer
+    tmp_path: Path, model_dir: Path, chat: ChatTokenizer, spec: RunSpec
 ) -> None:
     layout = RunLayout(tmp_path)
     prompts = write_shard(layout, 0, 40, long_prompt=True)
@@ -139,13 +156,13 @@ def test_shard_completes_and_counts_add_up_then_rerun_sends_nothing(
         d = make_dispatcher(eps)
         try:
             baseline = requests_served(eps[0])  # the server's own warmup request
-            first = generate_shard(0, layout, d, chat, SPEC, flush_interval_s=0.2)
+            first = generate_shard(0, layout, d, chat, spec, flush_interval_s=0.2)
             served = requests_served(eps[0])
-            again = generate_shard(0, layout, d, chat, SPEC, flush_interval_s=0.2)
+            again = generate_shard(0, layout, d, chat, spec, flush_interval_s=0.2)
             assert requests_served(eps[0]) == served  # the server saw nothing new
         finally:
             d.close()
-    check_ledger(first, prompts, chat)
+    check_ledger(first, prompts, chat, spec)
     assert (first.n_prompts, first.n_completed, first.n_rejected, first.n_sent) == (41, 40, 1, 40)
     assert served - baseline == 40
     (reject,) = rows(layout.shard_rejects(0))
@@ -156,7 +173,7 @@ def test_shard_completes_and_counts_add_up_then_rerun_sends_nothing(
 
 
 def test_half_checkpoint_only_sends_the_other_half_and_survives_a_torn_line(
-    tmp_path: Path, model_dir: Path, chat: ChatTokenizer
+    tmp_path: Path, model_dir: Path, chat: ChatTokenizer, spec: RunSpec
 ) -> None:
     full, half = RunLayout(tmp_path / "full"), RunLayout(tmp_path / "half")
     prompts = write_shard(full, 3, 30)
@@ -164,23 +181,23 @@ def test_half_checkpoint_only_sends_the_other_half_and_survives_a_torn_line(
     with box(model_dir, {}) as eps:
         d = make_dispatcher(eps)
         try:
-            generate_shard(3, full, d, chat, SPEC)
+            generate_shard(3, full, d, chat, spec)
             lines = full.shard_completions(3).read_text().splitlines(keepends=True)
             # The first 15 results, then half a line: what a crash mid-write leaves.
             half.shard_completions(3).write_text("".join(lines[:15]) + lines[15][: len(lines[15]) // 2])
             before = requests_served(eps[0])
-            result = generate_shard(3, half, d, chat, SPEC)
+            result = generate_shard(3, half, d, chat, spec)
             sent = requests_served(eps[0]) - before
         finally:
             d.close()
     assert result.n_sent == 15 and sent == 15
-    completions = check_ledger(result, prompts, chat)
+    completions = check_ledger(result, prompts, chat, spec)
     assert result.n_completed == 30
     assert [c.request_key for c in completions[:15]] == [json.loads(x)["request_key"] for x in lines[:15]]
 
 
 def test_a_server_dying_mid_run_loses_and_duplicates_nothing(
-    tmp_path: Path, model_dir: Path, chat: ChatTokenizer
+    tmp_path: Path, model_dir: Path, chat: ChatTokenizer, spec: RunSpec
 ) -> None:
     layout = RunLayout(tmp_path)
     prompts = write_shard(layout, 1, 120)
@@ -188,11 +205,11 @@ def test_a_server_dying_mid_run_loses_and_duplicates_nothing(
     with box(model_dir, {**slow, "DATAGEN_STANDIN_CRASH_AFTER": "10"}, slow) as eps:
         d = make_dispatcher(eps)
         try:
-            result = generate_shard(1, layout, d, chat, SPEC, flush_interval_s=0.2)
+            result = generate_shard(1, layout, d, chat, spec, flush_interval_s=0.2)
             stats = d.stats()
         finally:
             d.close()
-    completions = check_ledger(result, prompts, chat)
+    completions = check_ledger(result, prompts, chat, spec)
     assert result.n_completed == 120 and result.n_rejected == 0
     by_server = {ep.name: sum(c.server == ep.name for c in completions) for ep in eps}
     assert by_server[eps[0].name] >= 10 and by_server[eps[1].name] >= 1
@@ -202,24 +219,24 @@ def test_a_server_dying_mid_run_loses_and_duplicates_nothing(
 
 
 def test_injected_server_errors_end_completed_or_rejected_with_a_reason(
-    tmp_path: Path, model_dir: Path, chat: ChatTokenizer
+    tmp_path: Path, model_dir: Path, chat: ChatTokenizer, spec: RunSpec
 ) -> None:
     layout = RunLayout(tmp_path)
     prompts = write_shard(layout, 2, 150)
     with box(model_dir, {"DATAGEN_STANDIN_ERROR_RATE": "0.05"}) as eps:
         d = make_dispatcher(eps)
         try:
-            result = generate_shard(2, layout, d, chat, SPEC, flush_interval_s=0.2)
+            result = generate_shard(2, layout, d, chat, spec, flush_interval_s=0.2)
             stats = d.stats()
         finally:
             d.close()
-    check_ledger(result, prompts, chat)
+    check_ledger(result, prompts, chat, spec)
     assert stats.retries >= 1  # errors really were injected, and retried
     assert all(r["reason"] and r["detail"] for r in rows(layout.shard_rejects(2)))
 
 
 def test_a_servers_400_becomes_a_reject_row_with_its_message(
-    tmp_path: Path, model_dir: Path, chat: ChatTokenizer
+    tmp_path: Path, model_dir: Path, chat: ChatTokenizer, spec: RunSpec
 ) -> None:
     layout = RunLayout(tmp_path)
     prompts = write_shard(layout, 4, 5)
@@ -230,10 +247,10 @@ def test_a_servers_400_becomes_a_reject_row_with_its_message(
     with box(model_dir, {}, args=("--context-length", "160")) as eps:
         d = make_dispatcher(eps)
         try:
-            result = generate_shard(4, layout, d, chat, SPEC)
+            result = generate_shard(4, layout, d, chat, spec)
         finally:
             d.close()
-    check_ledger(result, prompts, chat)
+    check_ledger(result, prompts, chat, spec)
     (reject,) = rows(layout.shard_rejects(4))
     assert reject["reason"] == "server_rejected" and reject["prompt_id"] == prompts[-1].prompt_id
     assert "context length" in reject["detail"]

@@ -26,6 +26,7 @@ from datagen.chat import IM_END_ID, ChatTokenizer
 from datagen.checkpoint import CheckpointError
 from datagen.conversation.export import assistant_turn
 from datagen.conversation.regeneration import OUTCOMES, split_step_key
+from datagen.conversation.turn_mode import turn_mode
 from datagen.engine.endpoints import ServerEndpoint
 from datagen.identity import RequestKeys, prompt_id_from_messages
 from datagen.layout import RunLayout
@@ -330,16 +331,21 @@ def test_a_kill_mid_conversation_then_a_rerun_generates_every_step_once(
     assert [r.request_key for r in rejects] == [r.request_key for r in read_steps(clean, 0)[1]]
 
 
-def test_a_checkpoint_of_another_mode_is_refused(tmp_path: Path, chat: ChatTokenizer) -> None:
-    """A `last` mode line (or a step of another conversation) in the shard's checkpoint: a clear error."""
+@pytest.mark.parametrize(("turns", "other_form"), [("every", "{key}"), ("last", "{key}:step-0")])
+def test_a_checkpoint_of_another_mode_is_refused(
+    turns: str, other_form: str, tmp_path: Path, chat: ChatTokenizer
+) -> None:
+    """A line of the other mode (a `last` key in an every-turn shard, a step in a `last` one), or a line written
+    twice: a clear error, from the one ledger both modes read, before anything is sent."""
+    spec = SPEC.model_copy(update={"turns": turns})
     layout = RunLayout(tmp_path)
     prompts = write_conversations(layout, 0, 2)
-    key = RequestKeys(SPEC.sampling, chat)(prompts[0].prompt_id)
-    line = Completion(prompts[0].prompt_id, "conv", 0, [], key, 1, [IM_END_ID], "", "stop", 1)
+    key = RequestKeys(spec.sampling, chat)(prompts[0].prompt_id)
+    line = Completion(prompts[0].prompt_id, "conv", 0, [], other_form.format(key=key), 1, [IM_END_ID], "", "stop", 1)
     layout.shard_completions(0).write_text(line.to_json() + "\n")
     with pytest.raises(CheckpointError, match="1 lines that are no step of a conversation of this shard"):
-        unsettled_requests(0, layout, chat, SPEC)
-    line.request_key = f"{key}:step-1"
-    layout.shard_completions(0).write_text(line.to_json() + "\n")
-    with pytest.raises(CheckpointError, match=r"step 1 of conversation .* after 0 step lines"):
-        generate_shard(0, layout, None, chat, SPEC)
+        unsettled_requests(0, layout, chat, spec)
+    line.request_key = turn_mode(spec).step_key(key, 0)
+    layout.shard_completions(0).write_text(2 * (line.to_json() + "\n"))
+    with pytest.raises(CheckpointError, match=r"step 0 of conversation .* after 1 step lines"):
+        generate_shard(0, layout, None, chat, spec)

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 
 import tasks.generation as generation
-import tasks.generation_turns as generation_turns
 from datagen.chat import ChatTokenizer
 from datagen.engine.dispatcher import Dispatcher, GenerateJob
 from datagen.identity import prompt_id_from_messages
@@ -48,10 +47,8 @@ def test_a_late_shard_worker_still_sends_before_higher_shards(
                 f.write(Prompt(prompt_id_from_messages("t", messages), "t", i, messages).to_json() + "\n")
 
     # Shard 0's worker reads its checkpoint slowly (a large one), so shard 1's worker reaches the turn first.
-    # (`last` reads it with settled_keys, `every` with read_ledger.)
     reading = threading.Event()
-    module, name = (generation, "settled_keys") if turns == "last" else (generation_turns, "read_ledger")
-    read = getattr(module, name)
+    read = generation.read_ledger
 
     def slow_read(path: Path, *args: Any) -> Any:
         if path.name.startswith("shard-00000"):
@@ -59,7 +56,7 @@ def test_a_late_shard_worker_still_sends_before_higher_shards(
             time.sleep(1.5)
         return read(path, *args)
 
-    monkeypatch.setattr(module, name, slow_read)
+    monkeypatch.setattr(generation, "read_ledger", slow_read)
 
     with (
         run_standin(model_dir, args=("--max-running-requests", "4"), env=KNOBS) as endpoint,
@@ -86,7 +83,7 @@ def test_a_late_shard_worker_still_sends_before_higher_shards(
         assert submitted == [(0, i) for i in range(PER_SHARD)] + [(1, i) for i in range(PER_SHARD)]
     else:
         # Every turn: the reservation holds until the shard's first step is in the queue; from then on each
-        # shard's share and the work left order the queue (generation_turns.send_order: the shard is at [1]
+        # shard's share and the work left order the queue (EveryTurn.send_order: the shard is at [1]
         # within its share, at [2] beyond it). Shard 0's first step still goes before any of shard 1's.
         shards = [order[1] if order[0] == 0 else order[2] for order in submitted]
         assert shards[0] == 0 and sorted(shards) == [0] * PER_SHARD + [1] * PER_SHARD, submitted

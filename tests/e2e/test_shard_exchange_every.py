@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from datagen.conversation.export import assistant_turn
+from datagen.conversation.ledger import read_ledger
 from datagen.conversation.regeneration import step_key
 from datagen.layout import RunLayout
 from datagen.publishing.storage import ObjectStore
 from datagen.records import Completion, Message, Reject
 from tasks.generation import ShardResult
-from tasks.generation_turns import read_ledger
 from tasks.shard_exchange import IncompleteShard, ShardExchange
 
 SHARD = 2

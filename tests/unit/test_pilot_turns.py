@@ -206,7 +206,8 @@ def test_a_main_run_whose_every_conversation_the_pilot_settled_generates_nothing
 ) -> None:
     """A pilot that sampled the whole set settles every conversation of the main run: the flow starts no servers
     (dispatcher None) and the shard must come back as a result, as in `last` mode. (Failed before the fix with an
-    AssertionError in generation_turns._open_next, met by tests/e2e/test_plan_trial_flow.py under `turns: every`.)"""
+    AssertionError in the old every-turn driver (generation_turns._open_next),
+    met by tests/e2e/test_plan_trial_flow.py under `turns: every`.)"""
     from tasks.generation import generate_shard
 
     prompts = tmp_path / "p.jsonl"

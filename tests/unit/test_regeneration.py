@@ -30,11 +30,11 @@ from datagen.conversation.regeneration import (
     step_record,
 )
 from datagen.conversation.toolcalls import answer_text, parse_tool_calls
+from datagen.conversation.turn_mode import step_check
 from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Completion, Message, Prompt, TokenRow
 from datagen.runspec import RunSpec
 from datagen.sources.preparation import Preparer, Unsendable
-from tasks.generation_turns import step_check
 from tests.turn_fixtures import (
     WEATHER_TOOLS,
     Built,

@@ -1,5 +1,5 @@
-"""The every-turn shard ledger (tasks/generation_turns.read_ledger): which conversations a checkpoint settles, and
-which checkpoints this shard cannot have written."""
+"""The shard ledger of conversations (datagen/conversation/ledger.read_ledger): which conversations a checkpoint
+settles, and which checkpoints this shard cannot have written."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import pytest
 
 from datagen.chat import ChatTokenizer
 from datagen.checkpoint import CheckpointError
+from datagen.conversation.ledger import read_ledger
+from datagen.conversation.turn_mode import LastTurn
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.endpoints import ServerEndpoint
 from datagen.identity import RequestKeys
@@ -18,7 +20,6 @@ from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Completion, Reject
 from datagen.runspec import RunSpec
 from tasks.generation import generate_shard, unsettled_requests
-from tasks.generation_turns import read_ledger
 from tests.turn_fixtures import three_turn_tool_conversation
 from tests.unit.test_regeneration import _recorded
 
@@ -35,6 +36,15 @@ def _reject(key: str, n: int) -> str:
     return Reject(
         "generate", "server_rejected", "d", "s", prompt_id="p-" + key, request_key=f"{key}:step-{n}"
     ).to_json()
+
+
+def _line(key: str) -> str:
+    """A `last` mode line: the conversation's request key, no step fields."""
+    return Completion("p-" + key, "s", 0, [], key, 3, [1], "x", "stop", 1).to_json() + "\n"
+
+
+def _last_reject(key: str) -> str:
+    return Reject("generate", "server_rejected", "d", "s", prompt_id="p-" + key, request_key=key).to_json()
 
 
 def _files(tmp_path: Path, completions: list[str], rejects: list[str]) -> tuple[Path, Path]:
@@ -80,6 +90,38 @@ def test_a_checkpoint_this_shard_did_not_write_is_refused(
     comp, rej = _files(tmp_path, completions, rejects)
     with pytest.raises(CheckpointError, match=message):
         read_ledger(comp, rej, KEYS)
+
+
+def test_a_last_line_settles_its_conversation_of_one_step(tmp_path: Path) -> None:
+    comp, rej = _files(tmp_path, [_line("ka"), _line("kc"), _line("kb")[:30]], [_last_reject("kb")])
+    ledgers = read_ledger(comp, rej, KEYS, LastTurn())
+    assert {k: (len(v.lines), v.settled) for k, v in ledgers.items()} == {
+        "ka": (1, True),
+        "kb": (0, True),
+        "kc": (1, True),
+    }
+
+
+@pytest.mark.parametrize(
+    ("completions", "rejects", "message"),
+    [
+        ([_line("ka"), _line("ka")], [], "step 0 of conversation p-ka after 1 step lines and its outcome"),
+        (
+            [_line("ka")],
+            [_last_reject("ka")],
+            "a reject of step 0 of conversation p-ka, .* both completed and rejected",
+        ),
+        ([], [_last_reject("ka"), _last_reject("ka")], "and another reject"),
+        ([_line("other")], [], "1 lines that are no step of a conversation of this shard"),
+        ([_step("ka", 0)], [], "1 lines that are no step"),  # an every-turn step in a `last` shard
+    ],
+)
+def test_a_last_checkpoint_this_shard_did_not_write_is_refused(
+    tmp_path: Path, completions: list[str], rejects: list[str], message: str
+) -> None:
+    comp, rej = _files(tmp_path, completions, rejects)
+    with pytest.raises(CheckpointError, match=message):
+        read_ledger(comp, rej, KEYS, LastTurn())
 
 
 def test_a_conversation_that_can_no_longer_continue_is_settled_by_a_reject_on_resume(tmp_path: Path) -> None:

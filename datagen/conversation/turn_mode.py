@@ -1,0 +1,280 @@
+"""The turn mode: which steps of a conversation are generated, their keys, records and place in the queue.
+
+One policy per `RunSpec.turns`, chosen once (`turn_mode`); the shard driver (tasks/generation.py) asks it and
+never the spec:
+
+    last    the recorded conversation is the history (planning's render of it is sent as is); its last reply is
+            generated: one step, keyed by the conversation's request key, written as the server returned it.
+            The plan order is the schedule: planning already ranked the prompts, and nothing changes during the
+            run, so a shard keeps its plan-order reservation until every conversation is in the queue.
+    every   each assistant turn is generated in order (datagen.conversation.regeneration): step N is keyed
+            `<key>:step-N`, its line carries the step fields, and a step that stops at the token limit (or fails
+            validation's per-sample check) ends the conversation. Work left is the schedule: it changes as steps
+            finish, so a shard releases its reservation once its first step is queued and ranks steps by work
+            left, within its share first (datagen/engine/gate.py, `ShardShares`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from datagen.chat import ChatTokenizer
+from datagen.checks.quality import check_completion
+from datagen.checks.repetition import word_tokens
+from datagen.conversation.regeneration import (
+    COMPLETE,
+    Ended,
+    Regenerator,
+    Script,
+    StepCheck,
+    StepRequest,
+    split_step_key,
+    step_key,
+    step_record,
+)
+from datagen.identity import preparer_for
+from datagen.records import Completion, Prompt
+from datagen.runspec import RunSpec
+from datagen.sources.preparation import Preparer, RenderedIds, Unsendable, read_rendered
+
+__all__ = [
+    "Conversation",
+    "EveryTurn",
+    "LastTurn",
+    "Steps",
+    "TurnMode",
+    "expected_steps",
+    "step_check",
+    "turn_mode",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """One prompt of a shard as the driver generates it."""
+
+    prompt: Prompt
+    row: int  # its line in the shard: the plan position of all its steps
+    key: str  # its request key; a step's key is the mode's `step_key(key, step)`
+    steps: int = 1  # expected steps (`TurnMode.expected_steps`)
+    step_tokens: float = 1.0  # expected output tokens per step
+
+    def work_left(self, step: int) -> float:
+        """Expected tokens of this step and those after it."""
+        return max(1, self.steps - step) * self.step_tokens
+
+
+class Steps(ABC):
+    """One shard's stepping under a mode: a conversation's first step, what follows a step, and its record."""
+
+    @abstractmethod
+    def first(self, conv: Conversation) -> StepRequest:
+        """Step 0's request; raises Unsendable (the conversation's reject)."""
+
+    @abstractmethod
+    def resume(self, conv: Conversation, lines: Sequence[Completion]) -> StepRequest:
+        """The request that produced the last of a conversation's step lines (those of its last user turn);
+        raises ValueError when the lines do not rebuild it."""
+
+    @abstractmethod
+    def after(self, conv: Conversation, req: StepRequest, c: Completion) -> StepRequest | Ended:
+        """The next step's request, or how the conversation ends; raises Unsendable (the next step's reject)."""
+
+    @abstractmethod
+    def record(self, c: Completion, req: StepRequest, ended: Ended | None) -> Completion:
+        """The checkpoint line of the step `req` produced (`c`: the server's result as a completion)."""
+
+
+class TurnMode(ABC):
+    """A run's turn mode (module docstring); stateless, one instance per mode."""
+
+    name: ClassVar[Literal["last", "every"]]
+    continues: ClassVar[bool]  # a step can follow a conversation's first (its successor is prepared on the turn)
+    # The schedule ranks conversations by their expected work left (else the plan order is the rank).
+    ranked_by_work: ClassVar[bool]
+
+    @abstractmethod
+    def step_key(self, key: str, step: int) -> str:
+        """The request key of step `step` of the conversation keyed `key`."""
+
+    @abstractmethod
+    def split_key(self, key: str) -> tuple[str, int] | None:
+        """(conversation key, step) of a checkpoint row's key; None for a key this mode never writes."""
+
+    @abstractmethod
+    def ends(self, row: dict[str, Any]) -> bool:
+        """Whether a step line (a checkpoint row) is the last of its conversation."""
+
+    @abstractmethod
+    def expected_steps(self, prompt: Prompt) -> int:
+        """The steps a conversation is expected to take."""
+
+    @abstractmethod
+    def send_order(self, shard: int, row: int, work: float, held: int, share: int) -> tuple[int, ...]:
+        """A step's place in the dispatcher's queue (`work`: its conversation's work left; `held`: the shard's
+        requests in the queue; `share`: the shard's share of it)."""
+
+    @abstractmethod
+    def steps(self, spec: RunSpec, chat: ChatTokenizer, prompts_path: Path) -> Steps:
+        """The stepping of one shard whose prompts are `prompts_path` (made once it has a conversation to open)."""
+
+    @abstractmethod
+    def reject_detail(self, conv: Conversation, step: int, detail: str) -> str:
+        """The detail of the reject row that ends a conversation at `step`."""
+
+    @property
+    def holds_place_until_open(self) -> bool:
+        """The shard keeps its plan-order reservation until every conversation is open (else: its first step)."""
+        return not self.continues
+
+
+class LastTurn(TurnMode):
+    """`turns: last`: the recorded conversation is the history; its last reply is the one step generated."""
+
+    name = "last"
+    continues = False
+    ranked_by_work = False  # planning ranked the prompts already, and one step's work does not change
+
+    def step_key(self, key: str, step: int) -> str:
+        return key
+
+    def split_key(self, key: str) -> tuple[str, int] | None:
+        return None if split_step_key(key) is not None else (key, 0)
+
+    def ends(self, row: dict[str, Any]) -> bool:
+        return True
+
+    def expected_steps(self, prompt: Prompt) -> int:
+        return 1
+
+    def send_order(self, shard: int, row: int, work: float, held: int, share: int) -> tuple[int, ...]:
+        return (shard, row)  # the plan's order: planning ranked the prompts already
+
+    def steps(self, spec: RunSpec, chat: ChatTokenizer, prompts_path: Path) -> Steps:
+        prepare = preparer_for(spec, chat)
+        # Planning's render of these prompts (None: render here, e.g. a shard fetched by a box of a multi-box run).
+        rendered = read_rendered(prompts_path, prepare.render_key)
+        return _LastSteps(prepare, rendered)
+
+    def reject_detail(self, conv: Conversation, step: int, detail: str) -> str:
+        return detail
+
+
+class EveryTurn(TurnMode):
+    """`turns: every`: every assistant turn is generated in order, conditioned on the model's own earlier ones."""
+
+    name = "every"
+    continues = True
+    ranked_by_work = True  # a conversation's work left shrinks as its steps finish
+
+    def step_key(self, key: str, step: int) -> str:
+        return step_key(key, step)
+
+    def split_key(self, key: str) -> tuple[str, int] | None:
+        return split_step_key(key)
+
+    def ends(self, row: dict[str, Any]) -> bool:
+        return row.get("outcome") is not None
+
+    def expected_steps(self, prompt: Prompt) -> int:
+        return expected_steps(prompt)
+
+    def send_order(self, shard: int, row: int, work: float, held: int, share: int) -> tuple[int, ...]:
+        # Within its share, plan order (no shard starves, the lowest keep advancing); beyond it, most work first.
+        if held < share:
+            return (0, shard, -round(work), row)
+        return (1, -round(work), shard, row)
+
+    def steps(self, spec: RunSpec, chat: ChatTokenizer, prompts_path: Path) -> Steps:
+        # Step 0 is rendered fresh: planning's render is of the whole row, not of the first user turn.
+        return _EverySteps(Regenerator(preparer_for(spec, chat), step_check(spec, chat)))
+
+    def reject_detail(self, conv: Conversation, step: int, detail: str) -> str:
+        return f"conversation {conv.prompt.prompt_id}, step {step}: {detail}"
+
+
+_MODES: dict[str, TurnMode] = {"last": LastTurn(), "every": EveryTurn()}
+
+
+def turn_mode(spec: RunSpec) -> TurnMode:
+    """The run's turn mode, from its spec: the one place that reads `spec.turns` for generation."""
+    return _MODES[spec.turns]
+
+
+def expected_steps(prompt: Prompt) -> int:
+    """The steps a conversation's every-turn regeneration is expected to take: each user turn's recorded steps
+    (at least 1)."""
+    try:
+        script = Script.of(prompt)
+    except Unsendable:
+        return 1  # its first step is rejected when it opens
+    return sum(max(1, len(turn.steps)) for turn in script.turns)
+
+
+def step_check(spec: RunSpec, chat: ChatTokenizer) -> StepCheck:
+    """Validation's per-sample checks of one step, as the validation stage runs them (its word table included)."""
+    words = word_tokens(chat)
+
+    def check(c: Completion) -> tuple[str, str] | None:
+        verdict = check_completion(c, spec.validation, spec.sampling.enable_thinking, words)
+        return None if verdict.reason is None else (verdict.reason, verdict.detail)
+
+    return check
+
+
+class _LastSteps(Steps):
+    def __init__(self, preparer: Preparer, rendered: RenderedIds | None) -> None:
+        self.preparer = preparer
+        self.rendered = rendered
+
+    def first(self, conv: Conversation) -> StepRequest:
+        prompt = conv.prompt
+        if self.rendered is not None:
+            ids = self.preparer.fitting(self.rendered[conv.row])
+        else:
+            ids = self.preparer(prompt.messages, prompt.tools)
+        return StepRequest(0, 0, 0, prompt.messages, ids)
+
+    def resume(self, conv: Conversation, lines: Sequence[Completion]) -> StepRequest:
+        raise ValueError(f"conversation {conv.prompt.prompt_id}: a `last` conversation's one line ends it")
+
+    def after(self, conv: Conversation, req: StepRequest, c: Completion) -> StepRequest | Ended:
+        return Ended(COMPLETE, "the recorded conversation's last reply generated")
+
+    def record(self, c: Completion, req: StepRequest, ended: Ended | None) -> Completion:
+        return c  # exactly as the server returned it, under the recorded history
+
+
+class _EverySteps(Steps):
+    def __init__(self, regen: Regenerator) -> None:
+        self.regen = regen
+        self.scripts: dict[str, Script] = {}  # of the conversations under way
+
+    def _script(self, conv: Conversation) -> Script:
+        script = self.scripts.get(conv.key)
+        if script is None:
+            script = self.scripts[conv.key] = Script.of(conv.prompt)
+        return script
+
+    def first(self, conv: Conversation) -> StepRequest:
+        return self.regen.first(self._script(conv))
+
+    def resume(self, conv: Conversation, lines: Sequence[Completion]) -> StepRequest:
+        return self.regen.resume(self._script(conv), lines)
+
+    def after(self, conv: Conversation, req: StepRequest, c: Completion) -> StepRequest | Ended:
+        try:
+            nxt = self.regen.after(self._script(conv), req, c)
+        except Unsendable:
+            self.scripts.pop(conv.key, None)
+            raise
+        if isinstance(nxt, Ended):
+            self.scripts.pop(conv.key, None)
+        return nxt
+
+    def record(self, c: Completion, req: StepRequest, ended: Ended | None) -> Completion:
+        return step_record(c, req, ended)
