@@ -16,8 +16,9 @@ from datagen.layout import RunLayout
 from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Completion, Message, Prompt, Reject
 from datagen.runspec import PromptSource, RunSpec
+from tasks.ordering import StepModel, recorded_kinds, step_kind
 from tasks.pilot import PilotPopulation, PilotSpec, import_pilot, project, render_projection
-from tasks.pilot_turns import StepModel, conversation_key, recorded_kinds, step_kind, user_turns
+from tasks.pilot_turns import conversation_key, user_turns
 from tasks.planning import ShardEntry, ShardPlan, plan_shards
 from tasks.selection import SelectionReport
 
@@ -262,10 +263,13 @@ def test_the_every_turn_wall_is_simulated_on_chains_ranked_by_expected_work_left
     }  # fmt: skip
     p = project(layout, plan, population, ValidationSummary(), throughput, 1, PilotSpec())
     pr = p.projection
-    # The length model predicts a (category long) above b, c (short), and a's share per step (half) below them:
-    # t=0 a's turn 0 and b start; t=10 a's turn 1 is ready but c (more work left) takes the slot; t=12 b ends,
-    # a's turn 1 runs to 22. As one request of 20 tokens a would hold its slot: b to 12, c to 24.
-    assert p.length_model.predict(a) / 2 < p.length_model.predict(c) < p.length_model.predict(a)
+    # The step model (the driver's rank) expects a's two steps (category long: 10 and 10 tokens measured) above
+    # b and c (short: 12), and a's second step below them: t=0 a's turn 0 and b start; t=10 a's turn 1 is ready
+    # but c (more work left) takes the slot; t=12 b ends, a's turn 1 runs to 22. As one request of 20 tokens a
+    # would hold its slot: b to 12, c to 24.
+    assert p.step_model is not None
+    a_steps, (c_step,) = p.step_model.expected(a), p.step_model.expected(c)
+    assert a_steps[1] < c_step < sum(a_steps)
     assert pr["wall_s"] == pytest.approx(0.5 + 22.0) and pr["wall_s_source"] == pytest.approx(0.5 + 22.0)
     assert pr["wall_s_reusing_pilot"] == pytest.approx(0.5)  # nothing left to generate
     assert pr["policy"] == "expected_work_left" and "chains" in pr["method"]
