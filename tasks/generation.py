@@ -195,8 +195,10 @@ class _ShardDriver:
             key = self.key_of(prompt.prompt_id)
             duplicates += key in conversations
             if key not in conversations:
-                n = self.mode.expected_steps(prompt)
-                expected = self.step_tokens(prompt) if self.step_tokens is not None else (1.0,) * n
+                if self.step_tokens is not None:
+                    expected = self.step_tokens(prompt)
+                else:  # each expected step counts 1
+                    expected = (1.0,) * self.mode.expected_steps(prompt)
                 conversations[key] = Conversation(prompt, row, key, tuple(max(t, 1e-6) for t in expected))
         if duplicates:
             logger.warning("shard %d: %d duplicate prompt ids are generated once", self.shard_id, duplicates)
