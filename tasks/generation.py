@@ -18,7 +18,7 @@ One driver runs both:
   that gets to the preparation turn first must not send ahead of it, datagen/engine/gate.py), and prepares each
   request under the turn, in plan order. In `last` mode the plan order is the schedule and the reservation holds
   until every request is queued. In `every` mode conversations open, and ready steps are sent, most work left
-  first (`work_left`: its remaining steps times the expected step length; plan order breaks ties), so the longest
+  first (`work_left`: its remaining steps' expected lengths, summed; plan order breaks ties), so the longest
   chains start early (benchmarks/README.md, conversations); the reservation holds until the shard's first step
   is queued, and from then on a shard holding fewer requests than its share (`ShardShares`) goes first in plan
   order: none is starved, and the lowest shards, which the finishing stream waits for, keep advancing.
@@ -34,23 +34,22 @@ import heapq
 import itertools
 import json
 import logging
-from collections.abc import Callable
 from pathlib import Path
 
 from datagen.chat import ChatTokenizer
 from datagen.checkpoint import CheckpointAppender, CheckpointError
 from datagen.conversation.ledger import Ledger, read_ledger
 from datagen.conversation.regeneration import Ended, StepRequest
-from datagen.conversation.turn_mode import Conversation, Steps, TurnMode, expected_steps, turn_mode
+from datagen.conversation.turn_mode import Conversation, Steps, TurnMode, turn_mode
 from datagen.engine.client import GenerateResult, sampling_params_for
 from datagen.engine.dispatcher import Dispatcher, GenerateJob, SubmitTimeout
 from datagen.identity import RequestKeys
 from datagen.layout import RunLayout
 from datagen.operations.faults import kill_point
-from datagen.records import Completion, Prompt
+from datagen.records import Completion
 from datagen.runspec import RunSpec
 from datagen.sources.preparation import Unsendable
-from tasks.ordering import LengthModel
+from tasks.ordering import LengthModel, StepLengths, StepModel, step_lengths
 from tasks.shard_generation import (
     SUBMIT_POLL_S,
     GenerationIncomplete,
@@ -78,8 +77,8 @@ __all__ = [
     "unsettled_requests",
 ]
 
-# A conversation's expected output tokens per step (e.g. the pilot's `LengthModel.predict`); None: each step is 1.
-StepTokens = Callable[[Prompt], float]
+# A conversation's expected output tokens of each step, in order (the pilot's, `pilot_step_tokens`); None: each is 1.
+StepTokens = StepLengths
 
 logger = logging.getLogger("datagen.generation")
 
@@ -105,10 +104,12 @@ def unsettled_requests(shard_id: int, layout: RunLayout, chat: ChatTokenizer, sp
 
 
 def pilot_step_tokens(layout: RunLayout, spec: RunSpec) -> StepTokens | None:
-    """Expected tokens per step from the run's pilot, when its projection is on this box (None: steps count).
+    """Expected tokens of each step from the run's pilot, when its projection is on this box (None: steps count).
 
-    In every-turn mode the pilot's length model predicts a conversation's whole output (tasks/pilot_turns.py),
-    so a step's share is that over the conversation's expected steps.
+    An every-turn pilot measured step lengths by category and kind (first user turn, later turns, tool rounds:
+    `step_model`); a conversation's steps are its recorded ones, each that kind's mean. A pilot file without them
+    (a `last` mode pilot, or one written before) gives its length model's prediction of the whole output, shared
+    evenly over the expected steps. `tasks.ordering.step_lengths`, the call the pilot's projection simulates.
     """
     if spec.pilot is None:
         return None
@@ -116,11 +117,14 @@ def pilot_step_tokens(layout: RunLayout, spec: RunSpec) -> StepTokens | None:
     # the pilot's modules build on this one).
     path = layout.root.parent / spec.pilot / "pilot.json"
     try:
-        model = LengthModel.model_validate(json.loads(path.read_text(encoding="utf-8"))["length_model"])
-    except (OSError, ValueError, KeyError) as exc:  # e.g. a box of a multi-box run, which has no pilot file
+        pilot = json.loads(path.read_text(encoding="utf-8"))
+        model = LengthModel.model_validate(pilot["length_model"])
+        steps = StepModel.model_validate(pilot["step_model"]) if pilot.get("step_model") is not None else None
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # e.g. a box of a multi-box run: no pilot file
         logger.info("ranking conversations by steps left: no pilot length model at %s (%s)", path, exc)
         return None
-    return lambda p: model.predict(p) / expected_steps(p)
+    logger.debug("ranking conversations by the pilot's %s", "step lengths" if steps else "length model")
+    return step_lengths(model, steps)
 
 
 def generate_shard(
@@ -136,8 +140,8 @@ def generate_shard(
     `ShardResult` are conversations (`n_prompts`), step lines (`n_completed`) and reject lines (`n_rejected`).
 
     `dispatcher` may be None when the caller knows (`unsettled_requests`) that the checkpoint settles them all.
-    `step_tokens` (every turn): each conversation's expected tokens per step, for ranking by work left (None: the
-    run's pilot's length model when its projection is on this box, else each step counts 1).
+    `step_tokens` (every turn): each conversation's expected tokens of each step, for ranking by work left (None:
+    the run's pilot's lengths when its projection is on this box, else each step counts 1).
     """
     with contextlib.ExitStack() as place:
         if dispatcher is not None:
@@ -191,9 +195,11 @@ class _ShardDriver:
             key = self.key_of(prompt.prompt_id)
             duplicates += key in conversations
             if key not in conversations:
-                per_step = self.step_tokens(prompt) if self.step_tokens is not None else 1.0
-                steps = self.mode.expected_steps(prompt)
-                conversations[key] = Conversation(prompt, row, key, steps, max(per_step, 1e-6))
+                if self.step_tokens is not None:
+                    expected = self.step_tokens(prompt)
+                else:  # each expected step counts 1
+                    expected = (1.0,) * self.mode.expected_steps(prompt)
+                conversations[key] = Conversation(prompt, row, key, tuple(max(t, 1e-6) for t in expected))
         if duplicates:
             logger.warning("shard %d: %d duplicate prompt ids are generated once", self.shard_id, duplicates)
         ledgers = read_ledger(self.completions_path, self.rejects_path, set(conversations), self.mode)

@@ -1,5 +1,7 @@
 """Long outputs first: predict each prompt's output length and plan shards longest-expected first.
 
+Also the every-turn driver's expected step lengths (`StepModel`, `step_lengths`): what it ranks conversations by.
+
 The dispatcher sends requests in plan position order (`GenerateJob.order` = (shard, row); retries and requeued
 requests first), whichever shard worker submitted them and when, so the order of the shard files is the dispatch
 order. Putting the long generations first leaves only short ones for the end of the run, where the last slots
@@ -17,25 +19,36 @@ import math
 import shutil
 from array import array
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from datagen.conversation.regeneration import Script
+from datagen.conversation.turn_mode import expected_steps
 from datagen.identity import PromptIdentity
 from datagen.records import Prompt, Reject
 from datagen.runspec import RunSpec
+from datagen.sources.preparation import Unsendable
 from datagen.sources.prompts import iter_prompts
 from tasks.selection import Items, PromptFilter, SelectionReport, choose, filtered
 
 __all__ = [
+    "STEP_KINDS",
     "GroupStat",
     "LengthModel",
     "LengthSample",
+    "StepKind",
+    "StepLengths",
+    "StepModel",
     "long_first",
     "long_first_filter",
     "prompt_chars",
+    "recorded_kinds",
     "run_filter",
+    "step_kind",
+    "step_lengths",
 ]
 
 # Pseudo-samples pulling a small group's mean toward its parent's: 5 samples weigh as much as the prior.
@@ -130,6 +143,95 @@ class LengthModel(BaseModel):
         if self.slope == 0.0:
             return base
         return base * math.exp(self.slope * (math.log1p(chars) - self.log_chars_mean))
+
+
+# What a step answers: the first user turn, a later user turn, or a tool round (a continuation after the results of
+# the calls its turn's previous step made). Their lengths differ (an opening answer, a follow-up, a short call).
+StepKind = Literal["first_turn", "later_turn", "tool_round"]
+STEP_KINDS: tuple[StepKind, ...] = ("first_turn", "later_turn", "tool_round")
+
+
+def step_kind(turn_index: int, first_of_turn: bool) -> StepKind:
+    """The kind of a step from its user turn and whether it opens that turn."""
+    if not first_of_turn:
+        return "tool_round"
+    return "first_turn" if turn_index == 0 else "later_turn"
+
+
+def recorded_kinds(prompt: Prompt) -> tuple[StepKind, ...]:
+    """The kinds of the steps a conversation's regeneration is expected to take (`expected_steps`, in order)."""
+    try:
+        script = Script.of(prompt)
+    except Unsendable:
+        return ("first_turn",)  # its first step is rejected when it opens
+    return tuple(step_kind(t, j == 0) for t, turn in enumerate(script.turns) for j in range(max(1, len(turn.steps))))
+
+
+class StepModel(BaseModel):
+    """Mean output tokens of a step by its kind, and by category and kind (the pilot's every-turn measurement).
+
+    A small group's mean is pulled toward its parent's (category and kind -> kind -> all steps) by `SHRINKAGE`
+    pseudo-samples, as `LengthModel` does for sources and categories.
+    """
+
+    global_mean: float = Field(..., description="Mean output tokens over all steps.")
+    by_kind: dict[str, GroupStat] = Field(default_factory=dict, description="first_turn | later_turn | tool_round.")
+    by_category: dict[str, dict[str, GroupStat]] = Field(
+        default_factory=dict, description="category -> kind -> stats (conversations without one: no entry)."
+    )
+
+    @classmethod
+    def fit(cls, steps: Iterable[tuple[str | None, StepKind, int]]) -> StepModel:
+        """Fit on (category, kind, output tokens) of every generated step."""
+        rows = list(steps)
+        if not rows:
+            raise ValueError("a step model needs at least one step")
+        kind: dict[str, list[int]] = defaultdict(list)
+        grp: dict[tuple[str, str], list[int]] = defaultdict(list)
+        for category, step, n in rows:
+            kind[step].append(n)
+            if category is not None:
+                grp[(category, step)].append(n)
+        by_category: dict[str, dict[str, GroupStat]] = defaultdict(dict)
+        for (c, k), v in sorted(grp.items()):
+            by_category[c][k] = GroupStat(n=len(v), mean=sum(v) / len(v))
+        return cls(
+            global_mean=sum(n for _, _, n in rows) / len(rows),
+            by_kind={k: GroupStat(n=len(v), mean=sum(v) / len(v)) for k, v in sorted(kind.items())},
+            by_category=dict(by_category),
+        )
+
+    def mean(self, category: str | None, kind: StepKind) -> float:
+        """Expected output tokens of a step of this kind in this category."""
+        stat = self.by_kind.get(kind)
+        kind_mean = (
+            (stat.n * stat.mean + SHRINKAGE * self.global_mean) / (stat.n + SHRINKAGE) if stat else self.global_mean
+        )
+        cat = self.by_category.get(category, {}).get(kind) if category is not None else None
+        return (cat.n * cat.mean + SHRINKAGE * kind_mean) / (cat.n + SHRINKAGE) if cat else kind_mean
+
+    def expected(self, prompt: Prompt) -> tuple[float, ...]:
+        """Each expected step's length, in order (its recorded turns and tool rounds)."""
+        return tuple(self.mean(prompt.category, k) for k in recorded_kinds(prompt))
+
+
+# A conversation's expected output tokens of each step it is expected to take, in order.
+StepLengths = Callable[[Prompt], tuple[float, ...]]
+
+
+def step_lengths(length_model: LengthModel, step_model: StepModel | None) -> StepLengths:
+    """Each expected step's length, as the every-turn driver ranks conversations by work left (and the pilot's
+    projection simulates it, `tasks.pilot_turns.chain_walls`): the step model's means by category and kind when
+    the pilot measured steps; else (a pilot of `last` mode, or one written before it measured steps) the length
+    model's prediction of the whole output shared evenly over the expected steps."""
+    if step_model is not None:
+        return step_model.expected
+
+    def shared(prompt: Prompt) -> tuple[float, ...]:
+        n = expected_steps(prompt)
+        return (length_model.predict(prompt) / n,) * n
+
+    return shared
 
 
 def long_first(items: Iterable[Prompt | Reject], model: LengthModel, spill_dir: Path, run: int = SPILL_RUN) -> Items:

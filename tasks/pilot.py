@@ -45,7 +45,7 @@ from datagen.sources.prompts import iter_prompts
 from tasks import pilot_turns
 from tasks.chains import DecodeModel, simulate_wall
 from tasks.generation import read_prompts
-from tasks.ordering import LengthModel, LengthSample
+from tasks.ordering import LengthModel, LengthSample, StepModel
 from tasks.planning import ShardPlan, plan_shards
 from tasks.selection import SelectionReport, choose, filtered, stratified_sample
 
@@ -410,7 +410,7 @@ class Projection(BaseModel):
     conversations: dict[str, Any] | None = Field(
         None, description="Every-turn mode: per step, per user turn and per conversation (tasks.pilot_turns)."
     )
-    step_model: pilot_turns.StepModel | None = Field(
+    step_model: StepModel | None = Field(
         None, description="Every-turn mode: mean step length per category and kind (first turn, later, tool round)."
     )
 
@@ -479,6 +479,7 @@ def project(
     pilot_tokens = sum(all_tokens)
 
     length_model = LengthModel.fit(samples)
+    step_means = pilot_turns.step_model(measured)
     rate = float(throughput["aggregate_tokens_per_s"])
     per_server = rate / max(1, int(throughput["servers"]))
     remaining = max(0.0, total_tokens - pilot_tokens)
@@ -489,7 +490,7 @@ def project(
         ramp = float(throughput.get("ramp_s", 0.0))
         if measured.chains is not None:  # every turn: conversations as chains of steps, as the driver ranks them
             simulated = pilot_turns.chain_walls(
-                measured, pop, population.sample_by_source, length_model, servers, slots, model, pilot.seed
+                measured, pop, population.sample_by_source, length_model, step_means, servers, slots, model, pilot.seed
             )
             method = "simulated: server decode model, the pilot's conversations as chains, most work left first"
         else:
@@ -539,7 +540,7 @@ def project(
         | ({"steps": round(total_steps), "policy": "expected_work_left"} if measured.conversations is not None else {}),
         length_model=length_model,
         conversations=measured.conversations,
-        step_model=pilot_turns.StepModel.fit(measured.step_lengths) if measured.step_lengths else None,
+        step_model=step_means,
     )
 
 

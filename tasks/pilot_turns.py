@@ -2,8 +2,8 @@
 
     measure_completions(layout, plan)        `last` mode: one completion per sampled prompt (as before)
     measure_conversations(layout, plan, ...) every-turn mode: the steps of each sampled conversation
-    StepModel.fit(...)                       mean step length per category and kind of step (first user turn,
-                                             later user turns, tool rounds)
+    step_model(measure)                      mean step length per category and kind of step (first user turn,
+                                             later user turns, tool rounds: `tasks.ordering.StepModel`)
     chain_walls(...)                         the every-turn run's wall time: the full set as chains of steps
     turn_report(conversations)               the pilot report's per-turn rows and its table of outcomes
 
@@ -22,109 +22,41 @@ from collections import Counter, defaultdict
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
-
-from pydantic import BaseModel, Field
+from typing import Any
 
 from datagen.checkpoint import read_rows
-from datagen.conversation.regeneration import Script, is_query, split_step_key
-from datagen.conversation.turn_mode import expected_steps
+from datagen.conversation.regeneration import is_query, split_step_key
 from datagen.conversation.turn_stats import Step, TurnSummary, conversations, distribution, is_step_row
 from datagen.layout import RunLayout
 from datagen.records import Message, Prompt
-from datagen.sources.preparation import Unsendable
 from tasks.chains import Chain, DecodeModel, simulate_chains
 from tasks.generation import read_prompts
-from tasks.ordering import SHRINKAGE, GroupStat, LengthModel, LengthSample, prompt_chars
+from tasks.ordering import (
+    STEP_KINDS,
+    LengthModel,
+    LengthSample,
+    StepKind,
+    StepModel,
+    prompt_chars,
+    step_kind,
+    step_lengths,
+)
 from tasks.planning import ShardPlan
 
 __all__ = [
-    "STEP_KINDS",
     "PilotMeasure",
     "SampledChain",
-    "StepKind",
-    "StepModel",
     "chain_walls",
     "conversation_key",
     "keys_by_conversation",
     "measure",
     "measure_completions",
     "measure_conversations",
-    "recorded_kinds",
     "repeat_counts",
-    "step_kind",
+    "step_model",
     "turn_report",
     "user_turns",
 ]
-
-# What a step answers: the first user turn, a later user turn, or a tool round (a continuation after the results of
-# the calls its turn's previous step made). Their lengths differ (an opening answer, a follow-up, a short call).
-StepKind = Literal["first_turn", "later_turn", "tool_round"]
-STEP_KINDS: tuple[StepKind, ...] = ("first_turn", "later_turn", "tool_round")
-
-
-def step_kind(turn_index: int, first_of_turn: bool) -> StepKind:
-    """The kind of a step from its user turn and whether it opens that turn."""
-    if not first_of_turn:
-        return "tool_round"
-    return "first_turn" if turn_index == 0 else "later_turn"
-
-
-def recorded_kinds(prompt: Prompt) -> tuple[StepKind, ...]:
-    """The kinds of the steps a conversation's regeneration is expected to take (`expected_steps`, in order)."""
-    try:
-        script = Script.of(prompt)
-    except Unsendable:
-        return ("first_turn",)  # its first step is rejected when it opens
-    return tuple(step_kind(t, j == 0) for t, turn in enumerate(script.turns) for j in range(max(1, len(turn.steps))))
-
-
-class StepModel(BaseModel):
-    """Mean output tokens of a step by its kind, and by category and kind (the pilot's every-turn measurement).
-
-    A small group's mean is pulled toward its parent's (category and kind -> kind -> all steps) by `SHRINKAGE`
-    pseudo-samples, as `tasks.ordering.LengthModel` does for sources and categories.
-    """
-
-    global_mean: float = Field(..., description="Mean output tokens over all steps.")
-    by_kind: dict[str, GroupStat] = Field(default_factory=dict, description="first_turn | later_turn | tool_round.")
-    by_category: dict[str, dict[str, GroupStat]] = Field(
-        default_factory=dict, description="category -> kind -> stats (conversations without one: no entry)."
-    )
-
-    @classmethod
-    def fit(cls, steps: Iterable[tuple[str | None, StepKind, int]]) -> StepModel:
-        """Fit on (category, kind, output tokens) of every generated step."""
-        rows = list(steps)
-        if not rows:
-            raise ValueError("a step model needs at least one step")
-        kind: dict[str, list[int]] = defaultdict(list)
-        grp: dict[tuple[str, str], list[int]] = defaultdict(list)
-        for category, step, n in rows:
-            kind[step].append(n)
-            if category is not None:
-                grp[(category, step)].append(n)
-        by_category: dict[str, dict[str, GroupStat]] = defaultdict(dict)
-        for (c, k), v in sorted(grp.items()):
-            by_category[c][k] = GroupStat(n=len(v), mean=sum(v) / len(v))
-        return cls(
-            global_mean=sum(n for _, _, n in rows) / len(rows),
-            by_kind={k: GroupStat(n=len(v), mean=sum(v) / len(v)) for k, v in sorted(kind.items())},
-            by_category=dict(by_category),
-        )
-
-    def mean(self, category: str | None, kind: StepKind) -> float:
-        """Expected output tokens of a step of this kind in this category."""
-        stat = self.by_kind.get(kind)
-        kind_mean = (
-            (stat.n * stat.mean + SHRINKAGE * self.global_mean) / (stat.n + SHRINKAGE) if stat else self.global_mean
-        )
-        cat = self.by_category.get(category, {}).get(kind) if category is not None else None
-        return (cat.n * cat.mean + SHRINKAGE * kind_mean) / (cat.n + SHRINKAGE) if cat else kind_mean
-
-    def expected(self, prompt: Prompt) -> tuple[float, ...]:
-        """Each expected step's length, in order (its recorded turns and tool rounds)."""
-        return tuple(self.mean(prompt.category, k) for k in recorded_kinds(prompt))
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,11 +222,17 @@ def repeat_counts(n: int, target: int) -> list[int]:
     return counts
 
 
+def step_model(measured: PilotMeasure) -> StepModel | None:
+    """The step lengths the pilot measured, by category and kind (None in `last` mode, or when no step ran)."""
+    return StepModel.fit(measured.step_lengths) if measured.step_lengths else None
+
+
 def chain_walls(
     measured: PilotMeasure,
     population_by_source: Mapping[str, int],
     sample_by_source: Mapping[str, int],
     length_model: LengthModel,
+    steps_model: StepModel | None,
     servers: int,
     slots: int,
     model: DecodeModel,
@@ -304,10 +242,11 @@ def chain_walls(
 
     Each source's sampled conversations stand for its population (each repeated by its weight; a conversation
     refused on its first step takes no decode time). A freed slot takes the ready step with the most expected work
-    left, as the shard driver ranks (`tasks.generation`: the pilot's length model over the conversation's
-    expected steps, a share per step); plan order breaks ties: long-first by that prediction (`wall_s`, what
-    `order: long_first` plans), or a seeded shuffle (`wall_s_source`).
+    left, as the shard driver ranks (`tasks.generation.pilot_step_tokens`: each step's expected length from
+    `tasks.ordering.step_lengths`, the same call); plan order breaks ties: long-first by the length model's
+    prediction (`wall_s`, what `order: long_first` plans), or a seeded shuffle (`wall_s_source`).
     """
+    expected = step_lengths(length_model, steps_model)
     by_source: dict[str, list[SampledChain]] = defaultdict(list)
     for c in measured.chains or []:
         by_source[c.prompt.source].append(c)
@@ -320,9 +259,8 @@ def chain_walls(
         completing = len(sampled) / (len(sampled) + measured.gen_rejects[source])
         built = []
         for c in sampled:
-            predicted = length_model.predict(c.prompt)
-            steps = expected_steps(c.prompt)  # the driver's share per step (`pilot_step_tokens`)
-            built.append((predicted, Chain(c.steps, user_turns(c.prompt), (predicted / steps,) * steps)))
+            chain = Chain(c.steps, user_turns(c.prompt), expected(c.prompt))
+            built.append((length_model.predict(c.prompt), chain))
         not_sampled = max(0, n_pop - sample_by_source.get(source, len(sampled)))
         for items, target in ((full, n_pop), (rest, not_sampled)):
             for item, k in zip(built, repeat_counts(len(built), round(target * completing)), strict=True):

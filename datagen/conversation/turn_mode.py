@@ -60,12 +60,14 @@ class Conversation:
     prompt: Prompt
     row: int  # its line in the shard: the plan position of all its steps
     key: str  # its request key; a step's key is the mode's `step_key(key, step)`
-    steps: int = 1  # expected steps (`TurnMode.expected_steps`)
-    step_tokens: float = 1.0  # expected output tokens per step
+    # Expected output tokens of each step it is expected to take (`TurnMode.expected_steps` of them), in order.
+    expected: tuple[float, ...] = (1.0,)
 
     def work_left(self, step: int) -> float:
-        """Expected tokens of this step and those after it."""
-        return max(1, self.steps - step) * self.step_tokens
+        """Expected tokens of this step and those after it (past its expected steps, e.g. a tool round the
+        recording lacks: one more of the last one's)."""
+        left = self.expected[step:]
+        return float(sum(left)) if left else self.expected[-1]
 
 
 class Steps(ABC):

@@ -24,7 +24,7 @@ from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Prompt
 from datagen.runspec import RunSpec, SamplingSpec
 from datagen.standin.testing import run_standin
-from tasks.ordering import GroupStat, LengthModel
+from tasks.ordering import GroupStat, LengthModel, StepModel, recorded_kinds
 from tasks.pilot import PILOT_JSON
 
 KNOBS = {
@@ -44,6 +44,21 @@ def _prompt(tag: str, i: int, turns: int, category: str | None = None) -> Prompt
             messages.append({"role": "assistant", "content": f"Answer {t} to {tag} {i}."})
         messages.append({"role": "user", "content": f"{tag} {i}, turn {t}: what is {i + t} squared, and why?"})
     return Prompt(prompt_id_from_messages("t", messages), "t", i, messages, category=category)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def _tool_prompt(i: int, category: str) -> Prompt:
+    """One user turn whose recorded answer called a tool: two steps, the call and the answer after its result."""
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": f"City {i}"}}}
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": f"weather {i}: will it rain in City {i} tomorrow?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": '{"sky": "rain"}'},
+        {"role": "assistant", "content": "Rain, all day."},
+    ]
+    return Prompt(prompt_id_from_messages("t", messages), "t", i, messages, category=category, tools=TOOLS)
 
 
 def _write_shard(layout: RunLayout, shard: int, prompts: list[Prompt]) -> None:
@@ -169,3 +184,48 @@ def test_the_pilots_lengths_rank_conversations_when_its_projection_is_there(
             first[pilot] = submitted[0].split(":")[0]
     assert first["pilot-a"] == prompts[1].prompt_id  # ~3,000 tokens expected against ~100
     assert first[None] == prompts[0].prompt_id  # two steps against one
+
+
+def test_the_pilots_step_lengths_per_kind_decide_which_conversation_opens_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model_dir = ensure_model_dir()
+    chat = ChatTokenizer.from_model_dir(model_dir)
+    # Row 0: three user turns; row 1: one user turn whose answer called a tool (its call, then a tool round).
+    # Same source and category: the pilot's length model expects the same whole output of both.
+    prompts = [_prompt("chat", 0, 3, category="c"), _tool_prompt(1, category="c")]
+    assert [recorded_kinds(p) for p in prompts] == [
+        ("first_turn", "later_turn", "later_turn"),
+        ("first_turn", "tool_round"),
+    ]
+    length_model = LengthModel(global_mean=500, by_source={"t": GroupStat(n=2000, mean=500)})
+    # The pilot measured tool rounds long (the answer written after the results) and later user turns short.
+    steps = StepModel.fit(
+        [("c", "first_turn", 50)] * 100 + [("c", "later_turn", 50)] * 100 + [("c", "tool_round", 2000)] * 100
+    )
+    pilots = {
+        "with-steps": {"length_model": length_model.model_dump(), "step_model": steps.model_dump()},
+        "before-steps": {"length_model": length_model.model_dump()},  # a pilot file written before they were measured
+    }
+    for name, content in pilots.items():
+        pilot_dir = RunLayout.for_run(tmp_path, name).root
+        pilot_dir.mkdir(parents=True)
+        (pilot_dir / PILOT_JSON).write_text(json.dumps(content))
+    first: dict[str, str] = {}
+    with (
+        run_standin(model_dir, args=("--max-running-requests", "1"), env=KNOBS) as endpoint,
+        Dispatcher([endpoint], queue_depth=0, stall_timeout_s=120) as dispatcher,
+    ):
+        assert dispatcher.wait_ready(60)
+        submitted, _ = _recording(dispatcher, monkeypatch)
+        for pilot in pilots:
+            layout = RunLayout.for_run(tmp_path, f"run-{pilot}")
+            _write_shard(layout, 0, prompts)
+            submitted.clear()
+            result = generation.generate_shard(0, layout, dispatcher, chat, _spec(model_dir, pilot), 2.0)
+            assert result.n_prompts == 2
+            first[pilot] = submitted[0].split(":")[0]
+    # ~2,050 tokens expected of the tool conversation against ~150 of the three turns. Before, the length model's
+    # 500 shared over the steps tied them, and the plan order opened row 0 first.
+    assert first["with-steps"] == prompts[1].prompt_id
+    assert first["before-steps"] == prompts[0].prompt_id  # an old pilot file: the length model still ranks (a tie)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,8 +17,12 @@ from datagen.layout import RunLayout
 from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Completion, Message, Prompt, Reject
 from datagen.runspec import PromptSource, RunSpec
-from tasks.pilot import PilotPopulation, PilotSpec, import_pilot, project, render_projection
-from tasks.pilot_turns import StepModel, conversation_key, recorded_kinds, step_kind, user_turns
+from tasks import pilot_turns
+from tasks.chains import Chain, ChainRun, DecodeModel
+from tasks.generation import pilot_step_tokens
+from tasks.ordering import LengthModel, StepModel, recorded_kinds, step_kind, step_lengths
+from tasks.pilot import PILOT_JSON, PilotPopulation, PilotSpec, import_pilot, project, render_projection
+from tasks.pilot_turns import PilotMeasure, SampledChain, chain_walls, conversation_key, user_turns
 from tasks.planning import ShardEntry, ShardPlan, plan_shards
 from tasks.selection import SelectionReport
 
@@ -262,10 +267,13 @@ def test_the_every_turn_wall_is_simulated_on_chains_ranked_by_expected_work_left
     }  # fmt: skip
     p = project(layout, plan, population, ValidationSummary(), throughput, 1, PilotSpec())
     pr = p.projection
-    # The length model predicts a (category long) above b, c (short), and a's share per step (half) below them:
-    # t=0 a's turn 0 and b start; t=10 a's turn 1 is ready but c (more work left) takes the slot; t=12 b ends,
-    # a's turn 1 runs to 22. As one request of 20 tokens a would hold its slot: b to 12, c to 24.
-    assert p.length_model.predict(a) / 2 < p.length_model.predict(c) < p.length_model.predict(a)
+    # The step model (the driver's rank) expects a's two steps (category long: 10 and 10 tokens measured) above
+    # b and c (short: 12), and a's second step below them: t=0 a's turn 0 and b start; t=10 a's turn 1 is ready
+    # but c (more work left) takes the slot; t=12 b ends, a's turn 1 runs to 22. As one request of 20 tokens a
+    # would hold its slot: b to 12, c to 24.
+    assert p.step_model is not None
+    a_steps, (c_step,) = p.step_model.expected(a), p.step_model.expected(c)
+    assert a_steps[1] < c_step < sum(a_steps)
     assert pr["wall_s"] == pytest.approx(0.5 + 22.0) and pr["wall_s_source"] == pytest.approx(0.5 + 22.0)
     assert pr["wall_s_reusing_pilot"] == pytest.approx(0.5)  # nothing left to generate
     assert pr["policy"] == "expected_work_left" and "chains" in pr["method"]
@@ -312,3 +320,68 @@ def test_the_step_model_knows_tool_rounds_and_falls_back_to_coarser_means() -> N
     )
     with pytest.raises(ValueError, match="at least one step"):
         StepModel.fit([])
+
+
+def test_the_driver_and_the_projection_take_the_pilots_step_lengths_and_old_pilot_files_still_rank(
+    tmp_path: Path,
+) -> None:
+    """The main run's driver reads the pilot's step model (each recorded step its kind's mean), and the pilot's
+    chains are built by the same call; a pilot file without a step model (written before it was measured) gives
+    the length model's prediction shared over the expected steps, as before."""
+    tools = _prompt("t", "s", 1, tool_result=True)  # a first turn and a tool round
+    chat = _prompt("c", "s", 3)  # three user turns
+    assert (recorded_kinds(tools), recorded_kinds(chat)) == (
+        ("first_turn", "tool_round"),
+        ("first_turn", "later_turn", "later_turn"),
+    )
+    length_model = LengthModel(global_mean=600.0)
+    steps = StepModel.fit([("s", "first_turn", 20)] * 50 + [("s", "tool_round", 900)] * 50 + [("s", "later_turn", 40)])
+    spec = RunSpec(model_path=str(tmp_path), turns="every", pilot="pilot-a")
+    layout = RunLayout.for_run(tmp_path, "main")
+    pilot_file = RunLayout.for_run(tmp_path, "pilot-a").root / PILOT_JSON
+    pilot_file.parent.mkdir(parents=True)
+
+    pilot_file.write_text(json.dumps({"length_model": length_model.model_dump(), "step_model": steps.model_dump()}))
+    lengths = pilot_step_tokens(layout, spec)
+    assert lengths is not None
+    assert lengths(tools) == (steps.mean("s", "first_turn"), steps.mean("s", "tool_round")) == steps.expected(tools)
+    assert sum(lengths(tools)) > 800 > sum(lengths(chat))  # the tool round outweighs two more user turns
+
+    for old in (
+        {"length_model": length_model.model_dump()},
+        {"length_model": length_model.model_dump(), "step_model": None},
+    ):
+        pilot_file.write_text(json.dumps(old))
+        lengths = pilot_step_tokens(layout, spec)
+        assert lengths is not None
+        assert lengths(tools) == (300.0, 300.0) and lengths(chat) == (200.0, 200.0, 200.0)  # 600 shared
+    pilot_file.write_text(json.dumps({"projection": {}}))
+    assert pilot_step_tokens(layout, spec) is None  # no length model: each step counts 1
+
+    # The projection's chains: the same expected lengths, so its simulation ranks as the driver does.
+    measured = PilotMeasure(chains=[SampledChain(tools, (20, 900)), SampledChain(chat, (20, 40, 40))])
+    built: list[tuple[float, ...] | None] = []
+    first: list[tuple[int, ...]] = []
+    simulate = pilot_turns.simulate_chains
+
+    def recording(chains: list[Chain], *args: Any) -> ChainRun:
+        built.extend(c.expected for c in chains)
+        run = simulate(chains, *args)
+        first.extend(chains[i].steps for i, s in run.started[:1])
+        return run
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pilot_turns, "simulate_chains", recording)
+        chain_walls(measured, {"s": 2}, {"s": 2}, length_model, steps, 1, 1, DecodeModel(1.0, 0.0), 0)
+    assert (
+        set(built)
+        == {step_lengths(length_model, steps)(p) for p in (tools, chat)}
+        == {
+            steps.expected(tools),
+            steps.expected(chat),
+        }
+    )
+    # The length model ties them (one global mean): the tool conversation, most expected work, opens first in
+    # both plan orders (long-first, shuffled); shared over the steps (before), both expected 600 and the plan
+    # order decided.
+    assert first == [(20, 900), (20, 900)]

@@ -99,6 +99,10 @@ def test_a_last_step_is_planning_s_render_and_its_line_is_the_server_s_result_as
 
 @pytest.mark.parametrize("mode", [LAST, EVERY], ids=["last", "every"])
 def test_a_conversation_s_work_left_ranks_it(mode: Any) -> None:
-    conv = Conversation(_prompt(3), 0, "k", mode.expected_steps(_prompt(3)), 10.0)
+    conv = Conversation(_prompt(3), 0, "k", (10.0,) * mode.expected_steps(_prompt(3)))
     assert conv.work_left(0) == 10.0 * mode.expected_steps(_prompt(3))
     assert conv.work_left(5) == 10.0  # at least the step at hand
+    # Each step its own expected length: the work left is those from the step at hand on, summed.
+    tools = Conversation(_prompt(3), 0, "k", (20.0, 300.0, 100.0))
+    assert (tools.work_left(0), tools.work_left(1), tools.work_left(2)) == (420.0, 400.0, 100.0)
+    assert tools.work_left(3) == 100.0  # a step past the recording's: one more of the last one's
