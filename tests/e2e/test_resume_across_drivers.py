@@ -17,7 +17,7 @@ import pytest
 
 from datagen.chat import ChatTokenizer
 from datagen.layout import RunLayout
-from datagen.model_fixture import ensure_model_dir
+from datagen.local.model_fixture import ensure_model_dir
 from datagen.runspec import RunSpec, SamplingSpec
 from datagen.standin.testing import run_standin
 from tasks.generation import generate_shard, unsettled_requests
