@@ -45,7 +45,6 @@ from datagen.chat import ChatTokenizer
 from datagen.conversation.turn_stats import StepTail
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.memory_plan import MemoryPlan, PromptTokens
-from datagen.identity import RequestKeys
 from datagen.layout import RunLayout
 from datagen.operations import alerts, failure
 from datagen.operations.report import dataset_link, quiet_per_shard_completions, run_name
@@ -254,14 +253,6 @@ def _preflight(store: ObjectStore, namespace: str) -> None:
         raise ShardExchangeError("S3 checks failed:\n" + "\n".join(f"- {r.name}: {r.detail}" for r in failed))
 
 
-def _expected_keys(layout: RunLayout, shard_id: int, spec: RunSpec, chat: ChatTokenizer) -> set[str] | dict[str, str]:
-    """The shard's request keys; `turns: every`: its conversations' keys, each with its prompt id."""
-    if spec.turns == "every":
-        return generation.conversation_keys(layout, shard_id, chat, spec)
-    key_of = RequestKeys(spec.sampling, chat)
-    return {key_of(prompt.prompt_id) for prompt in generation.read_prompts(layout.shard_prompts(shard_id))}
-
-
 def _exchange(store: ObjectStore, spec: RunSpec, box: str, lease_s: float) -> ShardExchange:
     """This process's handle on the run state; rows merge per conversation in `turns: every` mode."""
     return ShardExchange(
@@ -280,7 +271,7 @@ def _collect(
 ) -> list[CollectedShard]:
     """Every shard's rows from S3 into the local layout: each request exactly once, or an error."""
     return [
-        exchange.collect_shard(shard_id, layout, _expected_keys(layout, shard_id, spec, chat))
+        exchange.collect_shard(shard_id, layout, generation.conversation_keys(layout, shard_id, chat, spec))
         for shard_id in plan.shard_ids
     ]
 

@@ -31,6 +31,7 @@ from datagen.chat import ChatTokenizer
 from datagen.checkpoint import CheckpointLine, append_lines, read_lines, settled_keys
 from datagen.checks.quality import ValidationSummary
 from datagen.conversation.regeneration import split_step_key
+from datagen.conversation.turn_stats import distribution
 from datagen.engine import plan_trial
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.endpoints import ServerEndpoint
@@ -77,7 +78,6 @@ DispatchOrder = Literal["source", "long_first"]  # RunSpec.order's values
 PILOT_JSON = "pilot.json"
 PILOT_MARKDOWN = "pilot.md"
 BYTES_PER_TOKEN = 5  # int32 token id + int8 loss-mask value, uncompressed
-_PERCENTILES = (50, 90, 99)
 
 
 class PilotSpec(BaseModel):
@@ -392,19 +392,8 @@ def dispatch_order(items: list[tuple[float, int]], order: DispatchOrder, seed: i
     return [n for _, n in shuffled]
 
 
-def _percentile(sorted_values: list[int], q: float) -> int:
-    if not sorted_values:
-        return 0
-    rank = max(1, math.ceil(q / 100 * len(sorted_values)))
-    return sorted_values[rank - 1]
-
-
 def _dist(values: list[int]) -> dict[str, float]:
-    v = sorted(values)
-    out: dict[str, float] = {"n": len(v), "mean": round(sum(v) / len(v), 1) if v else 0.0}
-    out.update({f"p{q}": _percentile(v, q) for q in _PERCENTILES})
-    out["max"] = v[-1] if v else 0
-    return out
+    return distribution(values, mean_digits=1)  # pilot.json's figures, as they always were
 
 
 class Projection(BaseModel):

@@ -159,10 +159,10 @@ def _percentile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[max(1, math.ceil(q / 100 * len(sorted_values))) - 1]
 
 
-def distribution(values: Iterable[float]) -> dict[str, float]:
-    """n, mean, p50/p90/p99 (nearest rank) and max."""
+def distribution(values: Iterable[float], mean_digits: int = 2) -> dict[str, float]:
+    """n, mean (rounded to `mean_digits`), p50/p90/p99 (nearest rank) and max."""
     v = sorted(values)
-    out: dict[str, float] = {"n": len(v), "mean": round(sum(v) / len(v), 2) if v else 0.0}
+    out: dict[str, float] = {"n": len(v), "mean": round(sum(v) / len(v), mean_digits) if v else 0.0}
     out.update({f"p{q}": _percentile(v, q) for q in _PERCENTILES})
     out["max"] = v[-1] if v else 0
     return out
