@@ -163,6 +163,10 @@ def test_two_boxes_regenerate_every_turn_and_a_killed_box_loses_no_step(
     # Published: one conversations/ line per conversation with kept steps, a row per kept user turn, counts in lineage.
     keys = [o.key for o in store.list(f"{NAMESPACE}/")]
     manifest = json.loads(store.get_bytes(f"{NAMESPACE}/manifest.json"))
+    # The lineage names the parent run and the plan's skip counts in this mode too (one builder for both flows).
+    lineage = manifest["lineage"]
+    assert (lineage["run_id"], lineage["run_name"]) == (parent_id, run["name"]), lineage
+    assert lineage["skipped_published"] == 0 and lineage["old_rejects_skipped"] == 0
     data = [pq.read_table(io.BytesIO(store.get_bytes(k))) for k in keys if k.startswith(f"{NAMESPACE}/data/")]
     rows_published = [
         (cid, turn)
