@@ -5,6 +5,8 @@
 #   trial      engine_trial.py: defaults, then the plan for 456-token requests recalibrated from the defaults' log;
 #              benches 200x256x48 and 3840x256x24 (item 1 and 3 of issue 37)
 #   trial4k    engine_trial.py: defaults (no bench), then the plan for 4096-token requests, bench 3840x256x24
+#   multiturn  multiturn.py: the plan's radix-cache choice for an every-turn run, both candidates measured on a
+#              multi-turn workload (issue 36; MULTITURN_ARGS adds its options)
 #   datagen    datagen_on_engine.py --engine sglang: datagen's launcher (plan for 4096-token requests from its own
 #              GPU probe, pool check and recalibrated relaunch), client, dispatcher, cancel, hang detector (item 2)
 # Everything ends by start + SGL_BUDGET_S (default 570 s). Example (tool `run`, carry [".dev37"]):
@@ -55,6 +57,9 @@ for part in "$@"; do
     datagen)
       DATAGEN_ENGINE_PYTHON=$R/sglang-python.sh PYTHONPATH=$G/site:$G/src:$S/site \
         python3 "$R/datagen_on_engine.py" --engine sglang --model "$S/model" --out "$OUT" --work "$G/work" ;;
+    multiturn)
+      PYTHONPATH=$S/site:$G/site:$G/src python3 "$R/multiturn.py" --model "$S/model" --out "$OUT" \
+        --calibrate-log "$D/defaults.log" --calibrate-card "H100 80GB HBM3" ${MULTITURN_ARGS:-} ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
   echo "part $part ended at +$(( $(date +%s) - t0 )) s"

@@ -11,6 +11,8 @@ SGL=${SGL_DIR:-$ROOT/.sgl}
 mkdir -p "$DEST/whl"
 cp "$SGL/site.tar.xz" "$SGL/model.tar.xz" "$DEST/"
 cp "$ROOT/benchmarks/real_engine/device.sh" "$DEST/device.sh"
+# The H100 defaults server's log of issue 37: multiturn.py calibrates its plan from it (on that card only).
+cp "$ROOT/benchmarks/results/real-engine-h100-80gb-hbm3/defaults.log" "$DEST/defaults.log"
 # datagen's client needs (the lent machine has pydantic through SGLang's site, not these): the venv's versions.
 pins=$("$ROOT/.venv/bin/python" -m pip list --format=freeze 2>/dev/null \
   | grep -i -E '^(httpx|httpcore|anyio|certifi|idna|h11|pydantic-settings|pydantic_settings|python-dotenv|python_dotenv)==')
