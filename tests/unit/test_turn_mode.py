@@ -15,12 +15,11 @@ from datagen.chat import ChatTokenizer
 from datagen.conversation.regeneration import Ended
 from datagen.conversation.turn_mode import Conversation, EveryTurn, LastTurn, turn_mode
 from datagen.engine.client import GenerateResult
-from datagen.identity import preparer_for
 from datagen.local.model_fixture import ensure_model_dir
 from datagen.publishing.storage import sha256_file
 from datagen.records import Prompt
 from datagen.runspec import RunSpec
-from datagen.sources.preparation import write_rendered
+from datagen.sources.preparation import preparer_for, write_rendered
 from tasks.shard_generation import completion_record
 
 LAST, EVERY = LastTurn(), EveryTurn()
