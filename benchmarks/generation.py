@@ -48,13 +48,13 @@ from datagen.chat import ChatTokenizer
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.endpoints import ServerEndpoint
 from datagen.engine.stats import DispatcherStats
-from datagen.identity import preparer_for, prompt_id_from_messages
+from datagen.identity import prompt_id_from_messages
 from datagen.layout import RunLayout
 from datagen.local.model_fixture import ensure_model_dir
 from datagen.publishing.storage import sha256_file
 from datagen.records import Prompt
 from datagen.runspec import RunSpec, SamplingSpec
-from datagen.sources.preparation import Preparer, write_rendered
+from datagen.sources.preparation import Preparer, preparer_for, write_rendered
 from datagen.standin.knobs import Knobs
 from datagen.standin.synthetic import SyntheticModel
 from datagen.standin.testing import run_standin

@@ -314,7 +314,7 @@ def _time_glue() -> dict[str, float]:
         (report, "run_report"),
         (report, "dataset_link"),
         (fx, "write_dataset_card"),
-        (fx.validation, "render_validation_report"),
+        (fx, "render_validation_report"),
         (fx.validation, "count_reject_reasons"),
         (finishing, "StreamingFinish"),
     ]:

@@ -24,6 +24,7 @@ from typing import Any
 
 from datagen.chat import ChatTokenizer, Tools
 from datagen.conversation.regeneration import Script
+from datagen.conversation.turn_mode import TurnMode, turn_mode
 from datagen.records import Message, Prompt
 from datagen.runspec import RunSpec, SamplingSpec
 from datagen.sources.preparation import Preparer, Unsendable
@@ -34,7 +35,6 @@ __all__ = [
     "PromptIdentity",
     "RequestKeys",
     "generation_cache_key",
-    "preparer_for",
     "prompt_id_from_ids",
     "prompt_id_from_messages",
     "request_key",
@@ -105,16 +105,7 @@ class PromptIdentity:
             )
         # The flow's own instance (ChatTokenizer.shared): one tokenizer load per process.
         chat = ChatTokenizer.shared(path)
-        prepare = preparer_for(spec, chat)
-        if spec.turns == "last":
-            return cls(prepare)
-        whole = Preparer(
-            chat,
-            spec.sampling.enable_thinking,
-            spec.context_length,
-            f"(turns: every; the conversation as recorded must fit the model's context_length {spec.context_length})",
-        )
-        return cls(whole, first_request=prepare)
+        return cls(*turn_mode(spec).identity_preparers(spec, chat))
 
     def __call__(self, source: str, messages: list[Message], tools: Tools = None) -> tuple[str, array[int]]:
         """(prompt id, rendered token ids) of `messages` (and `tools`) from `source`; raises Unsendable."""
@@ -149,15 +140,6 @@ def _first_request(messages: list[Message]) -> list[Message]:
     return [*script.head, *script.turns[0].opening]
 
 
-def preparer_for(spec: RunSpec, chat: ChatTokenizer) -> Preparer:
-    """The run's request preparation: its thinking setting and prompt budget."""
-    note = (
-        f"(context_length {spec.context_length}, max_new_tokens {spec.sampling.max_new_tokens}, "
-        f"max_prompt_tokens {spec.max_prompt_tokens})"
-    )
-    return Preparer(chat, spec.sampling.enable_thinking, spec.prompt_token_limit, note)
-
-
 def request_key(prompt_id: str, sampling: SamplingSpec, model_fingerprint: str, template_hash: str) -> str:
     """Content key of one request: sha256 over prompt id, sampling, model fingerprint and chat template."""
     payload = {
@@ -185,14 +167,13 @@ def generation_cache_key(
     sampling: SamplingSpec,
     model_fingerprint: str,
     shard_id: int,
-    turns: str = "last",
+    mode: TurnMode,
 ) -> str:
     """Prefect cache key of a shard's generation task: survives new flow runs (unlike Prefect's default policy).
 
-    `turns: every` shards hold other lines (steps) than `last` ones of the same plan: their key says so (a `last`
-    key is what it always was).
+    The run's turn mode tags it (`TurnMode.cache_tag`): `turns: every` shards hold other lines (steps) than `last`
+    ones of the same plan, and a `last` key is what it always was.
     """
     request_params = json.dumps({"sampling": sampling.model_dump(), "fingerprint": model_fingerprint}, sort_keys=True)
     digest = hashlib.sha256(request_params.encode()).hexdigest()[:16]
-    mode = "" if turns == "last" else f"-turns-{turns}"
-    return f"generate-{namespace}-{plan_sha256[:16]}-{digest}{mode}-shard-{shard_id:05d}"
+    return f"generate-{namespace}-{plan_sha256[:16]}-{digest}{mode.cache_tag}-shard-{shard_id:05d}"

@@ -33,7 +33,9 @@ import datagen
 from datagen import paths
 from datagen.chat import ChatTokenizer
 from datagen.checks import CheckResult
-from datagen.conversation.turn_stats import StepTail
+from datagen.checks.quality import GateReport, ValidationSummary, check_quality_gate, render_validation_report
+from datagen.conversation.turn_mode import turn_mode
+from datagen.conversation.turn_stats import TurnCounts
 from datagen.engine import plan_trial
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.launcher import ServerFleet
@@ -82,7 +84,7 @@ def _generation_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -
         spec.sampling,
         parameters["model_fingerprint"],
         parameters["shard_id"],
-        spec.turns,
+        turn_mode(spec),
     )
 
 
@@ -149,16 +151,16 @@ generate_shard_task = task(
 
 
 def _quality_gate(
-    summary: validation.ValidationSummary,
+    summary: ValidationSummary,
     gate: QualityGate,
     upstream_reasons: dict[str, int],
     reject_paths: list[str],
     downstream_reasons: dict[str, int] | None = None,
     namespace: str = "",
     published_before: int = 0,
-) -> validation.GateReport:
+) -> GateReport:
     downstream = downstream_reasons or {}
-    report = validation.check_quality_gate(
+    report = check_quality_gate(
         summary,
         gate,
         sum(upstream_reasons.values()),
@@ -169,7 +171,7 @@ def _quality_gate(
         published_before=published_before,
     )
     create_markdown_artifact(
-        markdown=validation.render_validation_report(summary, report),
+        markdown=render_validation_report(summary, report),
         key="validation-report",
         description=f"Validation of {namespace}: per-sample verdicts, reject reasons with examples, the quality gate",
     )
@@ -250,14 +252,16 @@ def manifest_lineage(
     first_attempt: PinnedFacts,
     engine_version: str | None,
     hardware: Mapping[str, Any],
-    conversations: Mapping[str, Any] | None,
+    conversations: TurnCounts | None,
+    published: Mapping[str, int],
 ) -> dict[str, Any]:
     """The manifest's lineage, for a run on one box and a run over several (`hardware`: what each records of its
     GPUs and memory plans, in this order between the engine and the pipeline version).
 
     `first_attempt`: the run id and name of the run's first attempt, named when another run spec targets this
     namespace (publishing.refuse_other_run); like the card's, so a re-run publishes the bytes its interrupted
-    attempt claimed. `conversations`: an every-turn run's conversation counts (a `last` run has none).
+    attempt claimed. `conversations`: an every-turn run's conversation counts (`TurnMode.conversation_counts`; a `last`
+    run has none), then `published`: what the published rows hold of them.
     """
     lineage = {
         "run_spec": spec.model_dump(mode="json"),
@@ -277,7 +281,7 @@ def manifest_lineage(
         "skipped_published": plan.n_skipped_published,
         "old_rejects_skipped": plan.n_old_rejects_skipped,
     }
-    return lineage | ({"conversations": dict(conversations)} if conversations is not None else {})
+    return lineage | ({"conversations": conversations.summary() | dict(published)} if conversations is not None else {})
 
 
 def finish_dataset(
@@ -326,9 +330,7 @@ def finish_dataset(
     ctx = FlowRunContext.get()
     pinned = pin_facts(layout.pinned_facts, run_id, ctx.flow_run.name if ctx and ctx.flow_run else None)
     # Published with the data: each reject reason's share and example rows, and the gate that passed.
-    (layout.staging_dir / validation.REPORT_NAME).write_text(
-        validation.render_validation_report(summary, final), encoding="utf-8"
-    )
+    (layout.staging_dir / validation.REPORT_NAME).write_text(render_validation_report(summary, final), encoding="utf-8")
     write_dataset_card(
         layout.staging_dir,
         namespace=spec.namespace,
@@ -402,7 +404,7 @@ def _generate(
             progress_id,
             logger,
             label=label,
-            turns=_step_tail(plan, layout) if spec.turns == "every" else None,
+            turns=turn_mode(spec).step_tail(*_checkpoints(plan, layout), plan.n_prompts),
         )
         with reporter as progress:
             results = _generate_shards(plan, spec, layout, chat, served.dispatcher, stream)
@@ -414,13 +416,9 @@ def _generate(
         )
 
 
-def _step_tail(plan: planning.ShardPlan, layout: RunLayout) -> StepTail:
-    """Conversations and steps over the plan's checkpoint files (every-turn mode's progress and report counts)."""
-    return StepTail(
-        [layout.shard_completions(i) for i in plan.shard_ids],
-        [layout.shard_rejects(i) for i in plan.shard_ids],
-        planned=plan.n_prompts,
-    )
+def _checkpoints(plan: planning.ShardPlan, layout: RunLayout) -> tuple[list[Path], list[Path]]:
+    """The plan's checkpoint files: (completions, rejects)."""
+    return [layout.shard_completions(i) for i in plan.shard_ids], [layout.shard_rejects(i) for i in plan.shard_ids]
 
 
 def _generate_shards(
@@ -568,12 +566,7 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
         create_progress_artifact(
             progress=0.0,
             key="generation-progress",
-            description=f"Generation of {spec.namespace}: "
-            + (
-                f"conversations finished, of {plan.n_prompts}"
-                if spec.turns == "every"
-                else f"prompts with a result, of {plan.n_prompts}"
-            ),
+            description=f"Generation of {spec.namespace}: {turn_mode(spec).progress_label}, of {plan.n_prompts}",
         ),
     )
     pending = pending_task(plan.shard_ids, layout, chat, spec)
@@ -602,12 +595,7 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
         skipped=(plan.n_skipped_published, plan.n_old_rejects_skipped),
     )
     clock.mark("validation + tokenization")
-    turn_counts = _step_tail(plan, layout).poll() if spec.turns == "every" else None
-    conversations = (  # every turn only (a `last` run's manifest is unchanged)
-        turn_counts.summary() | {"published": tokenized.conversations, "published_user_turns": tokenized.turns}
-        if turn_counts is not None
-        else None
-    )
+    turn_counts = turn_mode(spec).conversation_counts(*_checkpoints(plan, layout), plan.n_prompts)
     lineage = manifest_lineage(
         spec,
         chat,
@@ -620,7 +608,8 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
             "gpu": gpu_description,
             "memory_plan": memory_plan.lineage() if memory_plan else {"skipped": memory_why},
         },
-        conversations=conversations,
+        conversations=turn_counts,
+        published={"published": tokenized.conversations, "published_user_turns": tokenized.turns},
     )
     published = publish_dataset(spec, layout, store, lineage, dry_run)
     clock.mark("publish")

@@ -42,7 +42,7 @@ from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 from datagen import paths
 from datagen.chat import ChatTokenizer
-from datagen.conversation.turn_stats import StepTail
+from datagen.conversation.turn_mode import turn_mode
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.memory_plan import MemoryPlan, PromptTokens
 from datagen.layout import RunLayout
@@ -254,14 +254,14 @@ def _preflight(store: ObjectStore, namespace: str) -> None:
 
 
 def _exchange(store: ObjectStore, spec: RunSpec, box: str, lease_s: float) -> ShardExchange:
-    """This process's handle on the run state; rows merge per conversation in `turns: every` mode."""
+    """This process's handle on the run state; rows merge as the run's turn mode says (`TurnMode.merge_unit`)."""
     return ShardExchange(
         store,
         spec.namespace,
         box,
         _owner_token(),
         lease_s=lease_s,
-        turns=spec.turns,
+        mode=turn_mode(spec),
         enable_thinking=spec.sampling.enable_thinking,
     )
 
@@ -421,26 +421,9 @@ def _expand_dataset_multibox(spec: RunSpec, boxes: MultiBoxSpec, dry_run: bool) 
         plan_args_by_box={box: p.get("plan_args", []) for box, p in box_plans.items()},
         skipped=(plan.n_skipped_published, plan.n_old_rejects_skipped),
     )
-    # Every-turn mode: conversations and steps, counted from the collected checkpoint lines.
-    turns = (
-        StepTail(
-            [Path(r.completions_path) for r in shard_results],
-            [Path(r.rejects_path) for r in shard_results],
-            plan.n_prompts,
-        ).poll()
-        if spec.turns == "every"
-        else None
-    )
-    conversations = (
-        turns.summary()
-        | {
-            "published": tokenized.conversations,
-            "published_user_turns": tokenized.turns,
-            # Conversations two owners generated differently (a lease taken over mid-conversation): one kept.
-            "generated_twice": sum(len(c.conflicts) for c in collected),
-        }
-        if turns is not None
-        else None
+    # Conversations and steps counted from the collected checkpoint lines (None in `last` mode: no such block).
+    turn_counts = turn_mode(spec).conversation_counts(
+        [Path(r.completions_path) for r in shard_results], [Path(r.rejects_path) for r in shard_results], plan.n_prompts
     )
     lineage = manifest_lineage(
         spec,
@@ -454,7 +437,13 @@ def _expand_dataset_multibox(spec: RunSpec, boxes: MultiBoxSpec, dry_run: bool) 
             "boxes": {"shards": dict(shards_by_box), "rows": dict(rows_by_box)},
             "memory_plan": {"by_box": box_plans},
         },
-        conversations=conversations,
+        conversations=turn_counts,
+        published={
+            "published": tokenized.conversations,
+            "published_user_turns": tokenized.turns,
+            # Conversations two owners generated differently (a lease taken over mid-conversation): one kept.
+            "generated_twice": sum(len(c.conflicts) for c in collected),
+        },
     )
     published = publish_dataset(spec, layout, store, lineage, dry_run)
     create_link_artifact(
@@ -477,7 +466,7 @@ def _expand_dataset_multibox(spec: RunSpec, boxes: MultiBoxSpec, dry_run: bool) 
         "output_tokens": sum(r.output_tokens for r in shard_results),
         "wall_s": round(time.monotonic() - started, 1),
         "dry_run": dry_run,
-    } | ({"conversations": conversations} if conversations is not None else {})
+    } | ({"conversations": lineage["conversations"]} if "conversations" in lineage else {})
     create_markdown_artifact(
         markdown="# Run report\n\n" + "\n".join(f"- **{k}**: {v}" for k, v in report.items()),
         key="run-report",

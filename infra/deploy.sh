@@ -43,7 +43,7 @@ if [ -n "${DATAGEN_DEPLOY_RUN_SPEC:-}" ]; then
   "$python_bin" -m datagen.operations.deploy_defaults "$DATAGEN_DEPLOY_RUN_SPEC"
 fi
 # What this box's worker may run, as just deployed (docs/security.md). Another box runs `datagen pin` itself.
-"$python_bin" -m datagen.cli pin --pool "$pool"
+"$python_bin" -m flows.cli pin --pool "$pool"
 if [ -n "${DATAGEN_ALERT_WEBHOOK_URL:-}" ] || [ -n "${DATAGEN_ALERT_BLOCK:-}" ]; then
   if [ -n "${DATAGEN_ALERT_WEBHOOK_URL:-}" ]; then
     "$python_bin" -m datagen.operations.alerts install --webhook-url "$DATAGEN_ALERT_WEBHOOK_URL"

@@ -15,6 +15,7 @@ from datagen.checks import CheckResult
 from datagen.checks.gpu import GpuProbeError, gpu_checks, run_probe
 from datagen.checks.model_dir import check_free_ram, check_free_space, model_dir_checks
 from datagen.checks.server_flags import SERVER_FLAG_CHECK_NAMES, server_flag_checks
+from datagen.conversation.turn_mode import turn_mode
 from datagen.engine.memory_plan import (
     ENGINE_MEMORY,
     EngineFlags,
@@ -22,7 +23,6 @@ from datagen.engine.memory_plan import (
     MemoryPlan,
     ModelShape,
     PromptTokens,
-    Turns,
     card_bandwidth,
     expected_context,
     for_engine,
@@ -169,14 +169,13 @@ def memory_plan_for(
     max_new = spec.sampling.max_new_tokens
     context, output_source = expected_context(prompt_tokens.mean, mean_output_tokens, max_new)
     output = mean_output_tokens if mean_output_tokens is not None else max_new / 2
-    turns: Turns = spec.turns
     plan = plan_memory(
         ModelShape.from_config(config),
         gpu,
         context,
         context_source=f"{prompt_tokens.describe()}; {output_source}",
         server_args=spec.server_args,
-        turns=turns,
+        turns=turn_mode(spec).name,  # the mode's physics (prefix reuse) is the plan's: its one hand-off
         turns_per_conversation=turns_per_conversation,
         output_tokens=output,
         longest_request_tokens=prompt_tokens.max + max_new if prompt_tokens.n else None,

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from datagen.chat import ChatTokenizer
 from datagen.checkpoint import CheckpointLine, append_lines, read_lines, settled_keys
 from datagen.checks.quality import ValidationSummary
-from datagen.conversation.regeneration import split_step_key
+from datagen.conversation.turn_mode import turn_mode
 from datagen.conversation.turn_stats import distribution
 from datagen.engine import plan_trial
 from datagen.engine.dispatcher import Dispatcher
@@ -710,7 +710,7 @@ def import_pilot(
     # Every-turn mode: a conversation's steps carry `<its key>:step-N` and go together. A conversation the main
     # run holds any step of is not touched: a pilot step conditioned on another history would not continue it.
     steps = pilot_turns.keys_by_conversation([*completions, *rejects])
-    every = spec.turns == "every"
+    mode = turn_mode(spec)
     for shard_id in plan.shard_ids:
         comp_path, rej_path = layout.shard_completions(shard_id), layout.shard_rejects(shard_id)
         settled = settled_keys(comp_path, "completion") | settled_keys(rej_path, "reject")
@@ -718,7 +718,7 @@ def import_pilot(
         wanted_r: list[CheckpointLine] = []
         for prompt in read_prompts(layout.shard_prompts(shard_id)):
             keys = steps.get(key_of(prompt.prompt_id), [])
-            if any((split_step_key(key) is not None) != every for key in keys):
+            if any(mode.split_key(key) is None for key in keys):
                 # A pilot of the other mode: its lines are not what this run's engine writes or continues.
                 report.other_mode += len(keys)
                 continue
@@ -745,7 +745,7 @@ def import_pilot(
         log.warning(
             "%d requests of the pilot were made with the other turns mode than this run's (%s): not reused",
             report.other_mode,
-            spec.turns,
+            mode.name,
         )
     return report
 

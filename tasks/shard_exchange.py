@@ -36,17 +36,18 @@ import json
 import logging
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.checkpoint import CheckpointLine, CheckpointTail, json_row, lines_of, read_lines, write_lines
 from datagen.conversation.ledger import read_ledger
 from datagen.conversation.regeneration import follows, split_step_key
+from datagen.conversation.turn_mode import LastTurn, TurnMode
 from datagen.layout import RunLayout
 from datagen.publishing.storage import ObjectExists, ObjectStore
 from datagen.records import Completion
@@ -61,6 +62,7 @@ __all__ = [
     "CollectedShard",
     "IncompleteShard",
     "Lease",
+    "RowMerge",
     "RunStateConflict",
     "ShardExchange",
     "ShardExchangeError",
@@ -267,6 +269,178 @@ def merge_steps(
     return merged
 
 
+_Row = tuple[str, str, str]  # (where: file or part URI and line, box "" for the local checkpoint, the line)
+
+
+class RowMerge(ABC):
+    """How a shard's rows from several writers become one set: the run's turn mode's unit (`TurnMode.merge_unit`).
+
+    Chosen once per exchange (`ShardExchange.merge`); each method is one place the exchange merges or checks rows.
+    """
+
+    @abstractmethod
+    def read(self, parts: dict[str, list[_Row]]) -> ShardRows:
+        """Every kind's rows of the shard's parts (`ShardExchange._part_rows`) merged."""
+
+    @abstractmethod
+    def restore(self, parts: dict[str, list[_Row]], completions_path: Path, rejects_path: Path) -> set[str]:
+        """Merge the parts into the local checkpoint files (keeping local-only rows); return the keys whose kept
+        line S3 holds."""
+
+    @abstractmethod
+    def incomplete(self, shard_id: int, remote: ShardRows, n_prompts: int) -> str | None:
+        """Why the shard's rows in S3 do not finish its `n_prompts` prompts after the final upload (None: they do)."""
+
+    @abstractmethod
+    def collect(
+        self,
+        shard_id: int,
+        rows: ShardRows,
+        completions_path: Path,
+        rejects_path: Path,
+        expected: set[str] | dict[str, str],
+    ) -> None:
+        """Write the merged rows into the local checkpoint files; IncompleteShard unless they are exactly the
+        `expected` conversations' (keys; a dict: each one's prompt id, for the messages)."""
+
+
+class RequestMerge(RowMerge):
+    """`turns: last`: a conversation is one line; rows are deduped by request_key (completion over reject, then
+    the first part in key order)."""
+
+    def read(self, parts: dict[str, list[_Row]]) -> ShardRows:
+        merged = ShardRows()
+        for kind in _KINDS:
+            target = merged.completions if kind == "completions" else merged.rejects
+            for where, box, line in parts[kind]:
+                request = _request_key(line, where)
+                if request in merged.completions or request in target:
+                    merged.duplicates += 1
+                    continue
+                target[request] = line
+                merged.rows_by_box[box] += 1
+        # A request completed by one box and rejected by another (both ran it after a lease takeover): keep one.
+        for request in set(merged.rejects) & set(merged.completions):
+            del merged.rejects[request]
+            merged.duplicates += 1
+        return merged
+
+    def restore(self, parts: dict[str, list[_Row]], completions_path: Path, rejects_path: Path) -> set[str]:
+        remote = self.read(parts)
+        for kind, path in (("completions", completions_path), ("rejects", rejects_path)):
+            rows = dict(remote.completions if kind == "completions" else remote.rejects)
+            for where, _, line in _local_rows(path):
+                request = _request_key(line, where)
+                if request not in remote.completions and request not in rows:
+                    rows[request] = line
+            if kind == "rejects":
+                # A local reject for a request another box completed: the completion wins.
+                for request in list(rows):
+                    if request in remote.completions:
+                        del rows[request]
+            write_lines(path, rows.values())
+        return remote.keys
+
+    def incomplete(self, shard_id: int, remote: ShardRows, n_prompts: int) -> str | None:
+        if len(remote.keys) == n_prompts:
+            return None
+        return (
+            f"shard {shard_id}: S3 parts hold {len(remote.keys)} of {n_prompts} requests after the final upload; "
+            "not marking it done"
+        )
+
+    def collect(
+        self,
+        shard_id: int,
+        rows: ShardRows,
+        completions_path: Path,
+        rejects_path: Path,
+        expected: set[str] | dict[str, str],
+    ) -> None:
+        keys = set(expected)
+        missing, extra = keys - rows.keys, rows.keys - keys
+        if missing or extra:
+            raise IncompleteShard(
+                f"shard {shard_id}: parts hold {len(rows.keys)} requests; {len(missing)} of the shard's "
+                f"{len(keys)} are missing and {len(extra)} do not belong to it (spec or model changed?)"
+            )
+        write_lines(completions_path, rows.completions.values())
+        write_lines(rejects_path, rows.rejects.values())
+
+
+class ConversationMerge(RowMerge):
+    """`turns: every`: one chain of step lines per conversation (`merge_steps`); `enable_thinking`: the run's, which
+    decides what a step's generated turn looks like in the next step's history."""
+
+    def __init__(self, enable_thinking: bool) -> None:
+        self.enable_thinking = enable_thinking
+
+    def read(self, parts: dict[str, list[_Row]]) -> ShardRows:
+        return merge_steps(parts["completions"], parts["rejects"], self.enable_thinking)
+
+    def restore(self, parts: dict[str, list[_Row]], completions_path: Path, rejects_path: Path) -> set[str]:
+        # Each conversation's chain is chosen over the parts' lines and then the local ones, so the ledger resumes
+        # it after its last kept step.
+        merged = merge_steps(
+            [*parts["completions"], *_local_rows(completions_path)],
+            [*parts["rejects"], *_local_rows(rejects_path)],
+            self.enable_thinking,
+        )
+        write_lines(completions_path, merged.completions.values())
+        write_lines(rejects_path, merged.rejects.values())
+        in_s3 = {line for kind in _KINDS for _, _, line in parts[kind]}
+        rows = {**merged.completions, **merged.rejects}
+        return {key for key, line in rows.items() if line in in_s3}
+
+    def incomplete(self, shard_id: int, remote: ShardRows, n_prompts: int) -> str | None:
+        if len(remote.settled) == n_prompts:
+            return None
+        return (
+            f"shard {shard_id}: S3 parts settle {len(remote.settled)} of {n_prompts} conversations after the "
+            "final upload; not marking it done"
+        )
+
+    def collect(
+        self,
+        shard_id: int,
+        rows: ShardRows,
+        completions_path: Path,
+        rejects_path: Path,
+        expected: set[str] | dict[str, str],
+    ) -> None:
+        # The kept chains are written, then every expected conversation must be settled in them
+        # (datagen/conversation/ledger.read_ledger reads the files written here, as a rerun of the shard would).
+        extra = set(rows.conversations) - set(expected)
+        if extra:
+            raise IncompleteShard(
+                f"shard {shard_id}: parts hold steps of {len(extra)} conversations that are not the shard's, e.g. "
+                f"{rows.conversations[min(extra)]} (spec or model changed?)"
+            )
+        write_lines(completions_path, rows.completions.values())
+        write_lines(rejects_path, rows.rejects.values())
+        ledgers = read_ledger(completions_path, rejects_path, set(expected))
+        unsettled = [key for key in expected if key not in ledgers or not ledgers[key].settled]
+        if unsettled:
+
+            def name(key: str) -> str:
+                steps = len(ledgers[key].lines) if key in ledgers else 0
+                pid = expected.get(key, key) if isinstance(expected, dict) else rows.conversations.get(key, key)
+                return f"{pid} ({steps} step lines, no outcome or reject)"
+
+            raise IncompleteShard(
+                f"shard {shard_id}: {len(unsettled)} of its {len(expected)} conversations are not settled in the "
+                f"parts (steps missing after the last one kept): " + "; ".join(name(k) for k in unsettled[:5])
+            )
+
+
+# Each turn mode's merge unit -> its merge, made with the run's thinking setting.
+_MERGES: dict[str, Callable[[bool], RowMerge]] = {
+    "request": lambda enable_thinking: RequestMerge(),
+    "conversation": ConversationMerge,
+}
+_LAST_TURN = LastTurn()
+
+
 class ShardExchange:
     """One box's (or the parent's) handle on a namespace's run state in S3."""
 
@@ -278,11 +452,12 @@ class ShardExchange:
         owner: str,
         lease_s: float = 120.0,
         clock: Callable[[], float] = time.time,
-        turns: Literal["every", "last"] = "last",
+        mode: TurnMode = _LAST_TURN,
         enable_thinking: bool = True,
     ) -> None:
-        """`turns`, `enable_thinking`: the run's (`turns: every` merges rows per conversation; thinking decides
-        what a step's generated turn looks like in the next step's history)."""
+        """`mode`, `enable_thinking`: the run's turn mode and thinking setting, which say how rows from several
+        writers merge (`RowMerge`: per request key, or per conversation, a step's generated turn as thinking shows
+        it in the next step's history)."""
         if not owner.isalnum():
             raise ValueError(f"owner token must be letters and digits (it is part of object names): {owner!r}")
         self.store = store
@@ -291,8 +466,7 @@ class ShardExchange:
         self.owner = owner
         self.lease_s = lease_s
         self.clock = clock
-        self.turns = turns
-        self.enable_thinking = enable_thinking
+        self.merge = _MERGES[mode.merge_unit](enable_thinking)
         self.root = f"{RUNS_PREFIX}/{namespace}"
 
     # --- names ---------------------------------------------------------------------------------------
@@ -458,63 +632,17 @@ class ShardExchange:
         return out
 
     def read_rows(self, shard_id: int) -> ShardRows:
-        """Every row of the shard's parts, deduped by request_key (completion over reject, then first part).
-
-        `turns: every`: one chain of step lines per conversation (`merge_steps`).
-        """
-        parts = self._part_rows(shard_id)
-        if self.turns == "every":
-            return merge_steps(parts["completions"], parts["rejects"], self.enable_thinking)
-        merged = ShardRows()
-        for kind in _KINDS:
-            target = merged.completions if kind == "completions" else merged.rejects
-            for where, box, line in parts[kind]:
-                request = _request_key(line, where)
-                if request in merged.completions or request in target:
-                    merged.duplicates += 1
-                    continue
-                target[request] = line
-                merged.rows_by_box[box] += 1
-        # A request completed by one box and rejected by another (both ran it after a lease takeover): keep one.
-        for request in set(merged.rejects) & set(merged.completions):
-            del merged.rejects[request]
-            merged.duplicates += 1
-        return merged
+        """Every row of the shard's parts, merged as the run's turn mode says (`RowMerge.read`)."""
+        return self.merge.read(self._part_rows(shard_id))
 
     def restore_checkpoint(self, shard_id: int, layout: RunLayout) -> set[str]:
         """Merge the shard's S3 parts into its local checkpoint (keeping local-only rows); return the keys in S3.
 
-        Afterwards generate_shard's ledger skips every request any box already finished. `turns: every`: each
-        conversation's chain is chosen over the parts' lines and then the local ones (`merge_steps`), so the
-        ledger resumes it after its last kept step; the keys returned are those whose kept line S3 holds.
+        Afterwards generate_shard's ledger skips every request any box already finished (`RowMerge.restore`).
         """
-        completions_path, rejects_path = layout.shard_completions(shard_id), layout.shard_rejects(shard_id)
-        if self.turns == "every":
-            parts = self._part_rows(shard_id)
-            merged = merge_steps(
-                [*parts["completions"], *_local_rows(completions_path)],
-                [*parts["rejects"], *_local_rows(rejects_path)],
-                self.enable_thinking,
-            )
-            write_lines(completions_path, merged.completions.values())
-            write_lines(rejects_path, merged.rejects.values())
-            in_s3 = {line for kind in _KINDS for _, _, line in parts[kind]}
-            rows = {**merged.completions, **merged.rejects}
-            return {key for key, line in rows.items() if line in in_s3}
-        remote = self.read_rows(shard_id)
-        for kind, path in (("completions", completions_path), ("rejects", rejects_path)):
-            rows = dict(remote.completions if kind == "completions" else remote.rejects)
-            for where, _, line in _local_rows(path):
-                request = _request_key(line, where)
-                if request not in remote.completions and request not in rows:
-                    rows[request] = line
-            if kind == "rejects":
-                # A local reject for a request another box completed: the completion wins.
-                for request in list(rows):
-                    if request in remote.completions:
-                        del rows[request]
-            write_lines(path, rows.values())
-        return remote.keys
+        return self.merge.restore(
+            self._part_rows(shard_id), layout.shard_completions(shard_id), layout.shard_rejects(shard_id)
+        )
 
     def upload_part(self, shard_id: int, kind: str, lines: list[str], seq: int) -> str:
         """Upload checkpoint rows as a new immutable part; returns its key."""
@@ -530,16 +658,9 @@ class ShardExchange:
         `memory_plan`: this box's plan (flags, running requests, from its own GPU probe), for the run's lineage.
         """
         remote = self.read_rows(result.shard_id)
-        if self.turns == "every" and len(remote.settled) != result.n_prompts:
-            raise IncompleteShard(
-                f"shard {result.shard_id}: S3 parts settle {len(remote.settled)} of {result.n_prompts} conversations "
-                "after the final upload; not marking it done"
-            )
-        if self.turns != "every" and len(remote.keys) != result.n_prompts:
-            raise IncompleteShard(
-                f"shard {result.shard_id}: S3 parts hold {len(remote.keys)} of {result.n_prompts} requests "
-                "after the final upload; not marking it done"
-            )
+        why = self.merge.incomplete(result.shard_id, remote, result.n_prompts)
+        if why is not None:
+            raise IncompleteShard(why)
         body = {
             "shard_id": result.shard_id,
             "box": self.box,
@@ -578,18 +699,7 @@ class ShardExchange:
             raise IncompleteShard(f"shard {shard_id} has no done marker at {self.store.uri(self.done_key(shard_id))}")
         rows = self.read_rows(shard_id)
         completions_path, rejects_path = layout.shard_completions(shard_id), layout.shard_rejects(shard_id)
-        if self.turns == "every":
-            self._check_conversations(shard_id, rows, completions_path, rejects_path, expected_keys)
-        else:
-            expected = set(expected_keys)
-            missing, extra = expected - rows.keys, rows.keys - expected
-            if missing or extra:
-                raise IncompleteShard(
-                    f"shard {shard_id}: parts hold {len(rows.keys)} requests; {len(missing)} of the shard's "
-                    f"{len(expected)} are missing and {len(extra)} do not belong to it (spec or model changed?)"
-                )
-            write_lines(completions_path, rows.completions.values())
-            write_lines(rejects_path, rows.rejects.values())
+        self.merge.collect(shard_id, rows, completions_path, rejects_path, expected_keys)
         data = completions_path.read_bytes()
         tokens = sum(int(json.loads(line)["completion_tokens"]) for line in rows.completions.values())
         result = ShardResult(
@@ -611,37 +721,6 @@ class ShardExchange:
             rows_by_box=dict(rows.rows_by_box),
             conflicts=rows.conflicts,
         )
-
-    def _check_conversations(
-        self,
-        shard_id: int,
-        rows: ShardRows,
-        completions_path: Path,
-        rejects_path: Path,
-        expected: set[str] | dict[str, str],
-    ) -> None:
-        """`turns: every`: write the kept chains, then every expected conversation must be settled in them."""
-        extra = set(rows.conversations) - set(expected)
-        if extra:
-            raise IncompleteShard(
-                f"shard {shard_id}: parts hold steps of {len(extra)} conversations that are not the shard's, e.g. "
-                f"{rows.conversations[min(extra)]} (spec or model changed?)"
-            )
-        write_lines(completions_path, rows.completions.values())
-        write_lines(rejects_path, rows.rejects.values())
-        ledgers = read_ledger(completions_path, rejects_path, set(expected))
-        unsettled = [key for key in expected if key not in ledgers or not ledgers[key].settled]
-        if unsettled:
-
-            def name(key: str) -> str:
-                steps = len(ledgers[key].lines) if key in ledgers else 0
-                pid = expected.get(key, key) if isinstance(expected, dict) else rows.conversations.get(key, key)
-                return f"{pid} ({steps} step lines, no outcome or reject)"
-
-            raise IncompleteShard(
-                f"shard {shard_id}: {len(unsettled)} of its {len(expected)} conversations are not settled in the "
-                f"parts (steps missing after the last one kept): " + "; ".join(name(k) for k in unsettled[:5])
-            )
 
 
 class CheckpointSync:

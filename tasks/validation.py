@@ -22,14 +22,10 @@ import numpy as np
 from datagen.checkpoint import CheckpointLine, read_lines
 from datagen.checks.quality import (
     DuplicateIndex,
-    GateReport,
-    QualityGateError,
     SummaryBuilder,
     ValidationSummary,
     Verdict,
     check_completion,
-    check_quality_gate,
-    render_validation_report,
 )
 from datagen.conversation.segments import (
     CUT_META_KEY,
@@ -44,20 +40,14 @@ from datagen.conversation.segments import (
 from datagen.records import Completion, Reject
 from datagen.runspec import ValidationSpec
 
-# The gate and the report are re-exported so the flow finds the whole validation stage here.
 __all__ = [
     "REPORT_NAME",
     "SUMMARY_NAME",
-    "GateReport",
     "MalformedRecord",
-    "QualityGateError",
     "ShardValidator",
-    "ValidationSummary",
-    "check_quality_gate",
     "count_reject_reasons",
     "iter_in_plan_order",
     "iter_jsonl_completions",
-    "render_validation_report",
     "shard_stem",
     "validate_shards",
 ]

@@ -36,10 +36,10 @@ from datagen.conversation.regeneration import (
     step_key,
     step_record,
 )
-from datagen.identity import preparer_for
+from datagen.conversation.turn_stats import StepTail, TurnCounts
 from datagen.records import Completion, Prompt
 from datagen.runspec import RunSpec
-from datagen.sources.preparation import Preparer, RenderedIds, Unsendable, read_rendered
+from datagen.sources.preparation import Preparer, RenderedIds, Unsendable, preparer_for, read_rendered
 
 __all__ = [
     "Conversation",
@@ -98,6 +98,14 @@ class TurnMode(ABC):
     continues: ClassVar[bool]  # a step can follow a conversation's first (its successor is prepared on the turn)
     # The schedule ranks conversations by their expected work left (else the plan order is the rank).
     ranked_by_work: ClassVar[bool]
+    # What settles in this mode, as live progress and the progress artifact name it ("<label>, of <planned>").
+    progress_label: ClassVar[str]
+    # The tail of a shard's generation cache key (datagen.identity.generation_cache_key): `last` keys are what they
+    # always were; `every` shards hold other lines (steps) than `last` ones of the same plan.
+    cache_tag: ClassVar[str]
+    # The unit two writers' rows of one shard are merged by (a multi-box run's parts, tasks/shard_exchange.py): the
+    # request key (a conversation is one line) or the conversation (a chain of step lines, each following the last).
+    merge_unit: ClassVar[Literal["request", "conversation"]]
 
     @abstractmethod
     def step_key(self, key: str, step: int) -> str:
@@ -133,6 +141,23 @@ class TurnMode(ABC):
         """The shard keeps its plan-order reservation until every conversation is open (else: its first step)."""
         return not self.continues
 
+    @abstractmethod
+    def identity_preparers(self, spec: RunSpec, chat: ChatTokenizer) -> tuple[Preparer, Preparer | None]:
+        """(the render a prompt id hashes, the first request's when it is another): datagen.identity.PromptIdentity."""
+
+    @abstractmethod
+    def step_tail(self, completions: Sequence[Path], rejects: Sequence[Path], planned: int) -> StepTail | None:
+        """Conversations and steps counted over these checkpoint files as they grow; None where a prompt is one
+        line (its progress is the dispatcher's count)."""
+
+    def conversation_counts(
+        self, completions: Sequence[Path], rejects: Sequence[Path], planned: int
+    ) -> TurnCounts | None:
+        """The conversations and steps these checkpoint files hold now (the manifest's `conversations` block, the
+        run report); None where a prompt is one line (a `last` run's manifest and report have none)."""
+        tail = self.step_tail(completions, rejects, planned)
+        return None if tail is None else tail.poll()
+
 
 class LastTurn(TurnMode):
     """`turns: last`: the recorded conversation is the history; its last reply is the one step generated."""
@@ -140,6 +165,9 @@ class LastTurn(TurnMode):
     name = "last"
     continues = False
     ranked_by_work = False  # planning ranked the prompts already, and one step's work does not change
+    progress_label = "prompts with a result"
+    cache_tag = ""
+    merge_unit = "request"
 
     def step_key(self, key: str, step: int) -> str:
         return key
@@ -165,6 +193,12 @@ class LastTurn(TurnMode):
     def reject_detail(self, conv: Conversation, step: int, detail: str) -> str:
         return detail
 
+    def identity_preparers(self, spec: RunSpec, chat: ChatTokenizer) -> tuple[Preparer, Preparer | None]:
+        return preparer_for(spec, chat), None  # the prompt as recorded is the request
+
+    def step_tail(self, completions: Sequence[Path], rejects: Sequence[Path], planned: int) -> StepTail | None:
+        return None
+
 
 class EveryTurn(TurnMode):
     """`turns: every`: every assistant turn is generated in order, conditioned on the model's own earlier ones."""
@@ -172,6 +206,9 @@ class EveryTurn(TurnMode):
     name = "every"
     continues = True
     ranked_by_work = True  # a conversation's work left shrinks as its steps finish
+    progress_label = "conversations finished"
+    cache_tag = "-turns-every"
+    merge_unit = "conversation"
 
     def step_key(self, key: str, step: int) -> str:
         return step_key(key, step)
@@ -197,6 +234,20 @@ class EveryTurn(TurnMode):
 
     def reject_detail(self, conv: Conversation, step: int, detail: str) -> str:
         return f"conversation {conv.prompt.prompt_id}, step {step}: {detail}"
+
+    def identity_preparers(self, spec: RunSpec, chat: ChatTokenizer) -> tuple[Preparer, Preparer | None]:
+        # The id hashes the whole recorded conversation, bounded by the context; the first request must fit the
+        # prompt budget (PromptIdentity's docstring says why).
+        whole = Preparer(
+            chat,
+            spec.sampling.enable_thinking,
+            spec.context_length,
+            f"(turns: every; the conversation as recorded must fit the model's context_length {spec.context_length})",
+        )
+        return whole, preparer_for(spec, chat)
+
+    def step_tail(self, completions: Sequence[Path], rejects: Sequence[Path], planned: int) -> StepTail | None:
+        return StepTail(completions, rejects, planned=planned)
 
 
 _MODES: dict[str, TurnMode] = {"last": LastTurn(), "every": EveryTurn()}

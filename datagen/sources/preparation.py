@@ -27,6 +27,7 @@ import pyarrow.compute as pc
 from datagen.chat import ChatTokenizer, Tools
 from datagen.publishing.storage import sha256_file
 from datagen.records import Message
+from datagen.runspec import RunSpec
 from datagen.sources.prompt_view import PromptView, PromptViewError, model_view
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "RenderedIds",
     "Unsendable",
     "install_rendered",
+    "preparer_for",
     "read_rendered",
     "rendered_path",
     "write_rendered",
@@ -89,6 +91,15 @@ class Preparer:
             note = f" {self.limit_note}" if self.limit_note else ""
             raise Unsendable("prompt_too_long", f"prompt has {len(ids)} tokens, limit is {self.token_limit}{note}")
         return ids
+
+
+def preparer_for(spec: RunSpec, chat: ChatTokenizer) -> Preparer:
+    """The run's request preparation: its thinking setting and prompt budget."""
+    note = (
+        f"(context_length {spec.context_length}, max_new_tokens {spec.sampling.max_new_tokens}, "
+        f"max_prompt_tokens {spec.max_prompt_tokens})"
+    )
+    return Preparer(chat, spec.sampling.enable_thinking, spec.prompt_token_limit, note)
 
 
 def rendered_path(prompts_path: Path) -> Path:

@@ -75,7 +75,7 @@ def test_run_failing_on_s3_prints_one_line_not_a_traceback(tmp_path: Path) -> No
             "DATAGEN_DATA_ROOTS": str(tmp_path),
         }
     )
-    argv = [sys.executable, "-m", "datagen.cli", "run", "--config", str(config)]
+    argv = [sys.executable, "-m", "flows.cli", "run", "--config", str(config)]
     quiet = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert quiet.returncode == 1, quiet.stderr[-3000:]
     lines = quiet.stderr.strip().splitlines()

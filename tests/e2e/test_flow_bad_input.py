@@ -14,11 +14,11 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
 
-from datagen.cli import summary_text
 from datagen.engine.endpoints import ServerEndpoint
 from datagen.local.model_fixture import ensure_model_dir
 from datagen.runspec import PromptSource, QualityGate, RunSpec, SamplingSpec
 from datagen.standin.testing import run_standin
+from flows.cli import summary_text
 from flows.expand_dataset import expand_dataset
 
 pytestmark = pytest.mark.slow

@@ -19,13 +19,13 @@ import pytest
 import yaml
 
 from datagen.chat import ChatTokenizer
-from datagen.cli import summary_text
 from datagen.layout import RunLayout
 from datagen.local.localstack import LocalS3
 from datagen.local.model_fixture import ensure_model_dir
 from datagen.publishing.storage import ObjectStore
 from datagen.records import Completion
 from datagen.runspec import PromptSource, QualityGate, RunSpec, SamplingSpec
+from flows.cli import summary_text
 from flows.expand_dataset import expand_dataset
 from flows.pilot import pilot_flow
 from tasks.pilot import PILOT_MARKDOWN, PilotSpec

@@ -10,12 +10,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from datagen.cli import main as cli_main
 from datagen.conversation.export import conversation_record
 from datagen.conversation.view import find_conversation, render_conversation
 from datagen.operations.inspection import inspect_namespace, list_namespaces
 from datagen.publishing.storage import ObjectStore
 from datagen.records import TOKEN_ROW_SCHEMA, Completion, Message, ToolCall
+from flows.cli import main as cli_main
 from tasks.publishing import publish
 
 REASONING = "Let me think about the weather. " * 40 + "So I call the tool."

@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from datagen.conversation.regeneration import split_step_key
+from datagen.conversation.turn_mode import EveryTurn
 from datagen.local.localstack import LocalS3
 from datagen.local.model_fixture import ensure_model_dir
 from datagen.publishing.storage import ObjectStore
@@ -57,7 +58,7 @@ def test_two_boxes_regenerate_every_turn_and_a_killed_box_loses_no_step(
     n_shards = -(-len(prompts) // SHARD_SIZE)
     s3_prefix = f"{root.name}/"
     store = ObjectStore.from_settings(local_s3.settings(s3_prefix=s3_prefix))
-    sx = ShardExchange(store, NAMESPACE, "test", "observer", turns="every", enable_thinking=True)
+    sx = ShardExchange(store, NAMESPACE, "test", "observer", mode=EveryTurn(), enable_thinking=True)
     work = {box: root / f"work-{box}" for box in ("control", "box-a", "box-b")}
 
     def box_env(box: str) -> dict[str, str]:

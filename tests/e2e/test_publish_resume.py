@@ -281,7 +281,7 @@ def test_unfinishable_namespace_names_the_command_and_abandon_keeps_every_object
         assert f"datagen abandon {NAMESPACE}" in out["log"], out["log"]
         assert run.objects() == before
 
-    from datagen.cli import main
+    from flows.cli import main
 
     for key, value in run.env.items():
         if key.startswith("DATAGEN_S3_"):

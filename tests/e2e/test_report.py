@@ -13,14 +13,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from datagen.cli import main as cli_main
-from datagen.cli import summary_text
 from datagen.engine.stats import DispatcherStats, ServerStats
 from datagen.operations import report
 from datagen.operations.inspection import inspect_namespace, list_namespaces
 from datagen.publishing.storage import ObjectStore
 from datagen.records import REJECT_SCHEMA
 from datagen.runspec import RunSpec
+from flows.cli import main as cli_main
+from flows.cli import summary_text
 from tasks.publishing import publish
 
 
@@ -338,7 +338,7 @@ def test_laptop_command_writes_worker_settings_and_demo_sized_parameters(
         # The same run spec the UI takes checks as it is: the laptop's settings come from worker.env beside it,
         # `auto` is resolved without writing, and the check leaves nothing in any namespace.
         env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
-        cli = "from datagen.cli import main; raise SystemExit(main())"
+        cli = "from flows.cli import main; raise SystemExit(main())"
         check = subprocess.run(
             [sys.executable, "-c", cli, "check", "--config", str(out / "run-spec.json")],
             env=env,

@@ -470,7 +470,7 @@ def test_server_script_refuses_an_open_configuration(env: dict[str, str], messag
 
 
 EMBEDDED_PROBE = """
-from datagen.cli import _quiet_prefect_defaults
+from flows.cli import _quiet_prefect_defaults
 
 _quiet_prefect_defaults()  # what `datagen run` / `datagen demo` do before the first flow
 import httpx

@@ -10,12 +10,11 @@ import pytest
 
 from datagen.chat import ChatTokenizer
 from datagen.checkpoint import CheckpointError
-from datagen.identity import preparer_for
 from datagen.layout import RunLayout
 from datagen.local.model_fixture import ensure_model_dir
 from datagen.publishing.storage import ObjectStore
 from datagen.runspec import ExchangeSpec, MultiBoxSpec, PromptSource, RunSpec
-from datagen.sources.preparation import read_rendered, rendered_path
+from datagen.sources.preparation import preparer_for, read_rendered, rendered_path
 from tasks.generation import ShardResult
 from tasks.planning import plan_shards
 from tasks.shard_exchange import (

@@ -14,6 +14,7 @@ import pytest
 from datagen.conversation.export import assistant_turn
 from datagen.conversation.ledger import read_ledger
 from datagen.conversation.regeneration import step_key
+from datagen.conversation.turn_mode import EveryTurn
 from datagen.layout import RunLayout
 from datagen.publishing.storage import ObjectStore
 from datagen.records import Completion, Message, Reject
@@ -69,7 +70,7 @@ def _reject(conv: str, step: int) -> str:
 
 
 def _exchange(store: ObjectStore, box: str) -> ShardExchange:
-    return ShardExchange(store, "ns_every", box, box.replace("-", "") + "owner", turns="every", enable_thinking=True)
+    return ShardExchange(store, "ns_every", box, box.replace("-", "") + "owner", mode=EveryTurn(), enable_thinking=True)
 
 
 def _done(sx: ShardExchange) -> None:

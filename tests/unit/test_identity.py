@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from datagen.conversation.turn_mode import EveryTurn, LastTurn
 from datagen.identity import (
     IdentityError,
     PromptIdentity,
@@ -43,14 +44,16 @@ def test_generation_cache_key_is_the_one_the_old_flow_gave() -> None:
     from flows.expand_dataset import _generation_cache_key
 
     golden = "generate-golden_ns-abababababababab-6239cac4ec44fb4f-shard-00007"
-    assert generation_cache_key("golden_ns", "ab" * 32, OTHER_SAMPLING, FINGERPRINT, 7) == golden
+    assert generation_cache_key("golden_ns", "ab" * 32, OTHER_SAMPLING, FINGERPRINT, 7, LastTurn()) == golden
+    tagged = golden.replace("-shard-", "-turns-every-shard-")
+    assert generation_cache_key("golden_ns", "ab" * 32, OTHER_SAMPLING, FINGERPRINT, 7, EveryTurn()) == tagged
     spec = RunSpec(namespace="golden_ns", sampling=OTHER_SAMPLING, turns="last")
     parameters = {"spec": spec, "model_fingerprint": FINGERPRINT, "plan_sha256": "ab" * 32, "shard_id": 7}
     assert _generation_cache_key(None, parameters) == golden  # type: ignore[arg-type]
     # Every turn: the same plan's shards hold steps, not single completions; a result cached for the other mode
     # must not be taken for them.
     every = {**parameters, "spec": spec.model_copy(update={"turns": "every"})}
-    assert _generation_cache_key(None, every) == golden.replace("-shard-", "-turns-every-shard-")  # type: ignore[arg-type]
+    assert _generation_cache_key(None, every) == tagged  # type: ignore[arg-type]
 
 
 def test_a_run_renders_prompt_ids_as_the_old_code_did_and_request_keys_follow() -> None:

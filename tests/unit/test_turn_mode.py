@@ -15,12 +15,11 @@ from datagen.chat import ChatTokenizer
 from datagen.conversation.regeneration import Ended
 from datagen.conversation.turn_mode import Conversation, EveryTurn, LastTurn, turn_mode
 from datagen.engine.client import GenerateResult
-from datagen.identity import preparer_for
 from datagen.local.model_fixture import ensure_model_dir
 from datagen.publishing.storage import sha256_file
 from datagen.records import Prompt
 from datagen.runspec import RunSpec
-from datagen.sources.preparation import write_rendered
+from datagen.sources.preparation import preparer_for, write_rendered
 from tasks.shard_generation import completion_record
 
 LAST, EVERY = LastTurn(), EveryTurn()
@@ -106,3 +105,36 @@ def test_a_conversation_s_work_left_ranks_it(mode: Any) -> None:
     tools = Conversation(_prompt(3), 0, "k", (20.0, 300.0, 100.0))
     assert (tools.work_left(0), tools.work_left(1), tools.work_left(2)) == (420.0, 400.0, 100.0)
     assert tools.work_left(3) == 100.0  # a step past the recording's: one more of the last one's
+
+
+def test_what_else_differs_by_mode_is_the_mode_s_answer(tmp_path: Path) -> None:
+    # What the flows, identity and the exchange used to branch on: the same strings and counts as before.
+    assert (LAST.progress_label, EVERY.progress_label) == ("prompts with a result", "conversations finished")
+    assert (LAST.cache_tag, EVERY.cache_tag) == ("", "-turns-every")
+    assert (LAST.merge_unit, EVERY.merge_unit) == ("request", "conversation")
+    completions, rejects = tmp_path / "c.jsonl", tmp_path / "r.jsonl"
+    completions.write_text(
+        '{"request_key": "k:step-0", "completion_tokens": 5}\n'
+        '{"request_key": "k:step-1", "completion_tokens": 7, "outcome": "complete"}\n'
+    )
+    rejects.write_text('{"request_key": "j:step-0", "reason": "prompt_too_long"}\n')
+    # `last`: a prompt is one line, no live step counts and no manifest block.
+    assert LAST.step_tail([completions], [rejects], 3) is None
+    assert LAST.conversation_counts([completions], [rejects], 3) is None
+    counts = EVERY.conversation_counts([completions], [rejects], 3)
+    assert counts is not None and counts.summary() == {
+        "conversations_planned": 3,
+        "conversations_finished": 2,
+        "steps": 2,
+        "user_turns": 2,
+        "conversations_by_outcome": {"complete": 1, "prompt_too_long": 1},
+    }
+
+
+def test_each_mode_gives_the_prompt_identity_its_renders() -> None:
+    chat = ChatTokenizer.shared(ensure_model_dir())
+    spec = RunSpec(model_path="unused", context_length=16384, max_prompt_tokens=1000)
+    whole, first = EVERY.identity_preparers(spec, chat)
+    assert first == preparer_for(spec, chat) and whole.token_limit == 16384
+    assert "turns: every" in whole.limit_note
+    assert LAST.identity_preparers(spec, chat) == (preparer_for(spec, chat), None)

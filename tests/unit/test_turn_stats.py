@@ -234,7 +234,7 @@ def test_run_report_counts_conversations_in_every_turn_mode_and_last_mode_is_unc
 
 
 def test_the_cli_summary_names_conversations_in_every_turn_mode(tmp_path: Path) -> None:
-    from datagen.cli import summary_text
+    from flows.cli import summary_text
 
     comp, rej = tmp_path / "c.jsonl", tmp_path / "r.jsonl"
     _write(comp, LINES)

@@ -14,13 +14,14 @@ from datagen.checks.quality import (
     DuplicateIndex,
     check_completion,
     find_loops,
+    render_validation_report,
     repeated_ngram_share,
 )
 from datagen.identity import prompt_id_from_messages
 from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Completion, Reject
 from datagen.runspec import ValidationSpec
-from tasks.validation import SUMMARY_NAME, render_validation_report, validate_shards
+from tasks.validation import SUMMARY_NAME, validate_shards
 
 SPEC = ValidationSpec()
 REASONING = "The user wants a short explanation of photosynthesis, so I will describe light and sugar."

@@ -1,5 +1,7 @@
 """The `datagen` command line: run the flow, run the environment checks, run the demo, manage the local stack."""
 
+# It starts flows and stage bodies, so it lives on top of them (flows/), not in the datagen library below them.
+
 from __future__ import annotations
 
 import argparse
