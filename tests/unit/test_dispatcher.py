@@ -839,17 +839,18 @@ def test_a_server_that_goes_down_drops_its_affinities() -> None:
         assert d.submit(step("x", 2)).result(timeout=20).server == "b"  # and stays there
 
 
-def test_a_server_without_the_radix_cache_gets_no_affinity() -> None:
-    fake = FakeServers()
-    original = fake.handle
+class NoRadixServers(FakeServers):
+    """Servers launched with --disable-radix-cache: their /server_info says so."""
 
-    async def no_radix(request: httpx.Request) -> httpx.Response:
+    async def handle(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/server_info":
-            state = {"effective_max_running_requests_per_dp": fake.capacity_reported}
+            state = {"effective_max_running_requests_per_dp": self.capacity_reported}
             return httpx.Response(200, json={"internal_states": [state], "disable_radix_cache": True})
-        return await original(request)
+        return await super().handle(request)
 
-    fake.handle = no_radix  # type: ignore[method-assign]
+
+def test_a_server_without_the_radix_cache_gets_no_affinity() -> None:
+    fake = NoRadixServers()
     fake.throughput = {"a": 200.0}
     with dispatcher(fake) as d:
         threading.Event().wait(0.3)
