@@ -730,7 +730,7 @@ class Dispatcher:
     def _remember_home(self, work: _Work, server: _ServerState) -> None:
         """The conversation's next step goes back here: this server's radix cache now holds its prefix."""
         key = work.job.affinity
-        if not key or not server.radix_cache:
+        if not key or not server.radix_cache or server.state != "up":  # (a hung server's late answer: it may restart)
             return
         self._homes[key] = _Home(server, server.epoch)
         self._homes.move_to_end(key)
