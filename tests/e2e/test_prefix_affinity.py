@@ -7,10 +7,13 @@ dispatcher, the every-turn shard driver; where each step ran is read from its ch
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 import tasks.generation as generation
 from datagen.chat import ChatTokenizer
@@ -21,8 +24,10 @@ from datagen.identity import prompt_id_from_messages
 from datagen.layout import RunLayout
 from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Prompt
-from datagen.runspec import RunSpec, SamplingSpec
+from datagen.runspec import PromptSource, QualityGate, RunSpec, SamplingSpec
 from datagen.standin.testing import run_standin
+from flows.pilot import pilot_flow
+from tasks.pilot import PILOT_MARKDOWN, PilotSpec
 from tasks.pilot_turns import conversation_key
 
 KNOBS = {
@@ -34,12 +39,17 @@ KNOBS = {
 CONVERSATIONS, TURNS = 12, 3
 
 
-def _prompt(i: int) -> Prompt:
+def _messages(i: int) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     for t in range(TURNS):
         if t:
             messages.append({"role": "assistant", "content": f"Answer {t} to {i}."})
         messages.append({"role": "user", "content": f"question {i}, turn {t}: what is {i + t} squared, and why?"})
+    return messages
+
+
+def _prompt(i: int) -> Prompt:
+    messages = _messages(i)
     return Prompt(prompt_id_from_messages("t", messages), "t", i, messages)
 
 
@@ -86,3 +96,37 @@ def test_with_the_radix_cache_off_the_steps_spread(tmp_path: Path) -> None:
     served, stats = _run(tmp_path, ("--disable-radix-cache",))
     assert any(len(set(servers)) > 1 for servers in served.values()), served  # no affinity: wherever there is room
     assert stats.affine == 0 and stats.cached_tokens == 0
+
+
+@pytest.mark.slow
+def test_an_every_turn_pilot_weighs_the_radix_cache_on_the_steps_it_measured(
+    prefect_api: None, pipeline_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DATAGEN_STANDIN_GPU_MEMORY_BYTES", str(97_887 * 2**20))  # an RTX PRO 6000: a plan is made
+    for key, value in KNOBS.items():
+        monkeypatch.setenv(key, value)
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"messages": _messages(i)}) + "\n" for i in range(20)))
+    spec = RunSpec(
+        sources=[PromptSource(path=str(path))],
+        model_path=str(ensure_model_dir()),
+        namespace="radix_main_v1",
+        turns="every",
+        shard_size=10,
+        context_length=8192,
+        sampling=SamplingSpec(max_new_tokens=200),
+        quality_gate=QualityGate(max_reject_rate=1.0, min_median_completion_tokens=1),
+    )
+    result = pilot_flow(spec, PilotSpec(name="radix", sample_size=10, seed=3, plan_trial="off"))
+    radix = result["engine"]["main_plan"]["radix_cache"]
+    # The recording says 3 (1 + two assistant turns); the pilot measured the steps each conversation took.
+    population, steps = result["pilot"]["population"], result["projection"]["steps"]
+    assert radix["turns_per_conversation"] == round(steps / population, 3)
+    assert radix["turns_source"].startswith("measured by pilot radix: 10 conversations")
+    assert radix["turns_source"].endswith("projected over 20; the recording said 3")
+    assert radix["why"] and str(radix["turns_per_conversation"]) in radix["why"]
+    report = (RunLayout.for_run(tmp_path / "work", "radix").root / PILOT_MARKDOWN).read_text()
+    assert (
+        f"| radix cache for the main run (prefix reuse vs state slots) | {'kept' if radix['kept'] else 'off'}: "
+        in report
+    )
