@@ -546,17 +546,23 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
         return cast("dict[str, Any]", Completed(message=message, data={**summary, "message": message}))
     # After planning: the plan sizes for the prompts as rendered, the pilot's measured output and its trial.
     kept, kept_why = plan_trial.kept_candidate(projection.engine if projection else None)
+    # The radix cache's trade: the steps per conversation the pilot measured, else the recording's count.
+    turns, turns_source = pilot.plan_turns(projection, planning.conversation_turns(plan, layout))
     memory_plan, memory_why = memory_plan_task(
         settings,
         spec,
         None,
         float(projection.output_tokens["mean"]) if projection else None,
         planning.prompt_tokens(plan, layout, spec),
-        turns_per_conversation=planning.conversation_turns(plan, layout),
+        turns_per_conversation=turns,
+        turns_source=turns_source,
         prefer=kept,
         prefer_why=kept_why,
     )
     logger.info("memory plan: %s", memory_why)
+    if memory_plan is not None and memory_plan.radix_cache.get("why"):
+        radix = memory_plan.radix_cache
+        logger.info("radix cache %s: %s", "kept" if radix["kept"] else "off", radix["why"])
     if spec.pilot:
         reused = import_pilot_task(RunLayout.for_run(settings.work_dir, spec.pilot), layout, plan, spec, chat)
         logger.info("reused %d completions of pilot %s", reused.imported_completions, spec.pilot)

@@ -79,7 +79,9 @@ def _pilot(spec: RunSpec, pilot_spec: pilot.PilotSpec) -> dict[str, Any]:
     # uses the pilot's measured mean. Prompt lengths: the sample's, as planning rendered them.
     prompt_tokens = planning.prompt_tokens(plan, layout, spec)
     turns = planning.conversation_turns(plan, layout)
-    pilot_plan, plan_why = memory_plan_task(settings, spec, None, None, prompt_tokens, turns_per_conversation=turns)
+    pilot_plan, plan_why = memory_plan_task(
+        settings, spec, None, None, prompt_tokens, turns_per_conversation=turns, turns_source=pilot.RECORDED_TURNS
+    )
     logger.info("memory plan: %s", plan_why)
     trial_on, trial_note = plan_trial.wanted(
         pilot_spec.plan_trial, settings.num_servers, pilot_plan, bool(settings.server_urls)
@@ -122,13 +124,16 @@ def _pilot(spec: RunSpec, pilot_spec: pilot.PilotSpec) -> dict[str, Any]:
         if arms
         else None
     )
+    # The radix cache's trade: weighed on the steps the pilot measured (user turns, tool rounds), not the recording's.
+    main_turns, main_turns_source = pilot.plan_turns(projection, turns)
     main_plan, main_why = memory_plan_task(
         settings,
         spec,
         None,
         float(projection.output_tokens["mean"]),
         prompt_tokens,
-        turns_per_conversation=turns,
+        turns_per_conversation=main_turns,
+        turns_source=main_turns_source,
         prefer=trial["kept"] if trial else None,
         prefer_why=trial["why"] if trial else "",
     )

@@ -136,6 +136,7 @@ def memory_plan_for(
     prompt_tokens: PromptTokens | None = None,
     *,
     turns_per_conversation: float = 1.0,
+    turns_source: str = "",
     prefer: str | None = None,
     prefer_why: str = "",
 ) -> tuple[MemoryPlan | None, str]:
@@ -143,7 +144,8 @@ def memory_plan_for(
 
     `prompt_tokens`: the run's prompt lengths as planning rendered them (`tasks.planning.prompt_tokens`); without
     them (`datagen check`, before planning) PROMPT_TOKENS_ESTIMATE is assumed and the plan says so.
-    `turns_per_conversation`: expected turns of a run that generates every turn. `prefer`/`prefer_why`: the
+    `turns_per_conversation`: expected turns of a run that generates every turn (steps, each extending the last),
+    `turns_source` where that figure came from (`tasks.pilot.plan_turns`). `prefer`/`prefer_why`: the
     candidate a pilot's side-by-side trial kept (`datagen.engine.plan_trial`).
     """
     model_dir = Path(spec.model_path)
@@ -177,6 +179,7 @@ def memory_plan_for(
         server_args=spec.server_args,
         turns=turn_mode(spec).name,  # the mode's physics (prefix reuse) is the plan's: its one hand-off
         turns_per_conversation=turns_per_conversation,
+        turns_source=turns_source,
         output_tokens=output,
         longest_request_tokens=prompt_tokens.max + max_new if prompt_tokens.n else None,
         prefer=prefer,

@@ -279,7 +279,12 @@ class _ShardDriver:
                 dispatcher.shares.share(dispatcher.queue_limit),
             )
             job = GenerateJob(
-                req.prompt_ids, self.sampling, label=self.mode.step_key(conv.prompt.prompt_id, req.step), order=order
+                req.prompt_ids,
+                self.sampling,
+                label=self.mode.step_key(conv.prompt.prompt_id, req.step),
+                order=order,
+                # Every turn: a step goes back to the server whose radix cache holds its prefix (dispatcher.py).
+                affinity=conv.key if self.mode.continues else "",
             )
             try:
                 fut = dispatcher.submit(job, timeout=SUBMIT_POLL_S)

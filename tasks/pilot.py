@@ -601,6 +601,30 @@ def engine_section(pilot_plan: MemoryPlan | None, main_plan: MemoryPlan | None, 
     }
 
 
+RECORDED_TURNS = "recorded: 1 + the prompts' assistant turns, no step measured"
+
+
+def plan_turns(projection: Projection | None, recorded: float) -> tuple[float, str]:
+    """Turns per conversation for the memory plan's radix-cache choice (`turns_per_conversation`), and their source.
+
+    The radix cache pays when a conversation's requests extend each other: every step does (a user turn's first, and
+    each tool round after it). An every-turn pilot measured them: its steps, projected over the full set per
+    conversation. Without one (no pilot, or a `last` mode pilot) the recording's count, `recorded`
+    (`tasks.planning.conversation_turns`).
+    """
+    conv = projection.conversations if projection is not None else None
+    steps = projection.projection.get("steps") if projection is not None else None
+    population = projection.pilot.get("population") if projection is not None else None
+    if projection is None or not conv or not steps or not population:
+        return recorded, RECORDED_TURNS
+    user_turns, per_turn = conv["user_turns_per_conversation"]["mean"], conv["steps_per_user_turn"]["mean"]
+    return round(steps / population, 3), (
+        f"measured by pilot {projection.pilot['name']}: {conv['conversations']:,} conversations, "
+        f"{user_turns:g} user turns each and {per_turn:g} steps per user turn (tool rounds included), "
+        f"projected over {population:,}; the recording said {recorded:.3g}"
+    )
+
+
 def render_projection(p: Projection) -> str:
     """The pilot report as markdown (the Prefect artifact and pilot.md)."""
     pr, ot, th = p.projection, p.output_tokens, p.throughput
@@ -656,7 +680,18 @@ def _engine_rows(engine: dict[str, Any]) -> list[str]:
         f"{plan['default_running_requests_per_gpu']}) |",
         f"| expected output tok/s per GPU (memory-bandwidth roofline at that batch) | "
         f"{f'{roofline:,.0f}' if roofline else 'unknown card bandwidth'} |",
+        *_radix_row(plan.get("radix_cache")),
         *plan_trial.report_rows(engine),
+    ]
+
+
+def _radix_row(radix: dict[str, Any] | None) -> list[str]:
+    """The main run's radix-cache choice (prefix reuse vs state slots) and why, from the plan (none in old pilots)."""
+    if not radix:
+        return []
+    why = str(radix.get("why") or "-").replace("|", "/")
+    return [
+        f"| radix cache for the main run (prefix reuse vs state slots) | {'kept' if radix['kept'] else 'off'}: {why} |"
     ]
 
 

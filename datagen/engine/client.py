@@ -110,6 +110,7 @@ class GenerateResult:
     rid: str
     server: str = ""
     latency_s: float = 0.0  # client-side wall seconds of the successful attempt
+    cached_tokens: int = 0  # prompt tokens the server found in its radix cache (`meta_info.cached_tokens`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,7 +214,18 @@ class SGLangClient:
 
     async def effective_max_running(self) -> int:
         """Running-request capacity: effective_max_running_requests_per_dp summed over DP ranks."""
+        return (await self.serving_shape())[0]
+
+    async def serving_shape(self) -> tuple[int, bool]:
+        """(running-request capacity, whether the server keeps its radix cache) from one /server_info.
+
+        The radix (prefix) cache is per server process: SGLang reports its resolved `disable_radix_cache` there;
+        a server that does not say is taken at SGLang's default (kept).
+        """
         info = await self.server_info()
+        return self._capacity(info), info.get("disable_radix_cache") is not True
+
+    def _capacity(self, info: dict[str, Any]) -> int:
         states = info.get("internal_states")
         if isinstance(states, list) and states:
             values: list[int] = []
@@ -339,6 +351,7 @@ class SGLangClient:
         if completion_tokens != len(output_ids):
             raise bad(f"says completion_tokens={completion_tokens} but has {len(output_ids)} output_ids")
         e2e = meta.get("e2e_latency", latency)
+        cached = meta.get("cached_tokens")  # the prompt's prefix the server's radix cache held (0 without one)
         return GenerateResult(
             output_ids=output_ids,
             text=text,
@@ -350,4 +363,5 @@ class SGLangClient:
             rid=rid,
             server=self.name,
             latency_s=latency,
+            cached_tokens=int(cached) if _is_int(cached) and cached > 0 else 0,
         )

@@ -33,6 +33,23 @@ there left running: whichever answer arrives first settles a request, once, and 
 slow, loaded server keeps finishing requests and publishing snapshots, so it is never taken for hung.
 Detection takes at most `hang_timeout_s` plus one watchdog tick (1 s); the requeued requests then go out at
 once wherever there is room.
+
+Prefix affinity (every-turn conversations, `GenerateJob.affinity`): SGLang's radix cache is per server process,
+so a conversation's step k+1, whose prompt extends step k's prompt and output, re-uses that prefix only on the
+server that ran step k (`meta_info.cached_tokens` says how much it found). A server keeps the cache unless its
+/server_info says `disable_radix_cache`. The rule, for a step's first attempt whose conversation's previous step
+finished on such a server still up since (a server that goes down drops its affinities: a restart's cache is
+empty):
+
+- that server has a free slot: the step goes there, before anything behind it in the queue;
+- it has none: the step waits for it, keeping its place in the queue, while work behind it takes the free slots
+  elsewhere; once no queued work is left to use a free slot elsewhere, it goes there rather than idle that slot;
+  and after `affinity_wait_s` (about the re-prefill it would save: seconds) it goes wherever a slot frees first.
+
+So no slot idles while a step waits (occupancy as without affinity), no step waits past the bound (no
+starvation), and the queue order holds among the steps that can be sent. Retries and requeued steps, and jobs
+without `affinity` (`turns: last`), go as before. The stats count the prompt tokens found cached
+(`cache_hit_rate`) and the steps sent to their conversation's server or elsewhere.
 """
 
 from __future__ import annotations
@@ -111,6 +128,9 @@ class GenerateJob:
     # Plan position, e.g. (shard, row): lower goes out first, whichever thread submitted it and when. Shard
     # workers submit concurrently, so without it the plan's order (long outputs first) would be interleaved away.
     order: tuple[int, ...] = ()
+    # The conversation this step belongs to ("" for none): a step after its conversation's first goes to the server
+    # that served the one before, whose radix cache holds its prefix (module docstring, "Prefix affinity").
+    affinity: str = ""
 
 
 @dataclass(eq=False, slots=True)
@@ -128,6 +148,8 @@ class _Work:
     waiting: bool = False  # in the queue now (never twice)
     # Attempts running now and where: usually one; more while a hung server's attempt runs on beside its copy.
     running: dict[asyncio.Task[None], _ServerState] = field(default_factory=dict)
+    home: _Home | None = None  # the server that served its conversation's previous step (prefix affinity)
+    held_since: float | None = None  # when it first waited for its home server's free slot
 
     def queue_key(self, requeued: bool) -> tuple[int, tuple[int, ...], int]:
         # Requeued work (its server went down, or a retry came due) goes before anything not yet started.
@@ -153,6 +175,8 @@ class _ServerState:
     sched_stamp: float | None = None  # newest scheduler timestamp read from its /v1/loads
     recent: collections.deque[tuple[float, int]] = field(default_factory=collections.deque)
     last_error: str = ""
+    radix_cache: bool = True  # keeps its radix (prefix) cache (its /server_info), so affinity pays there
+    epoch: int = 0  # times it went down: an affinity made before (its radix cache then) is void
 
     @property
     def name(self) -> str:
@@ -163,7 +187,20 @@ class _ServerState:
         return self.target - len(self.inflight) if self.state == "up" else 0
 
 
+@dataclass(frozen=True, slots=True)
+class _Home:
+    """Where a conversation's previous step ran: valid while that server stays up since (same epoch)."""
+
+    server: _ServerState
+    epoch: int
+
+    @property
+    def valid(self) -> bool:
+        return self.server.state == "up" and self.server.epoch == self.epoch and self.server.radix_cache
+
+
 _RATE_WINDOW_S = 60.0
+_HOMES_KEPT = 4096  # conversations whose last server is remembered, at least (else 16 rounds of the queue)
 
 
 def backoff_delay(attempt: int, base_s: float, cap_s: float, rng: random.Random) -> float:
@@ -212,6 +249,7 @@ class Dispatcher:
         log_interval_s: float = 30.0,
         default_capacity: int = 32,
         max_connections_per_server: int = 1024,
+        affinity_wait_s: float = 2.0,
         on_server_down: Callable[[ServerEndpoint], None] | None = None,
         client_factory: ClientFactory | None = None,
         seed: int | None = None,
@@ -237,6 +275,7 @@ class Dispatcher:
         self.log_interval_s = log_interval_s
         self.default_capacity = default_capacity
         self.max_connections_per_server = max_connections_per_server
+        self.affinity_wait_s = affinity_wait_s
         self.on_server_down = on_server_down
         self._rng = random.Random(seed)
         factory = client_factory or (lambda e: SGLangClient(e, max_connections=max_connections_per_server))
@@ -257,6 +296,10 @@ class Dispatcher:
         self._done_times: collections.deque[tuple[float, int]] = collections.deque()
         self._c = collections.Counter[str]()
         self._fatal: EngineError | None = None  # the error that took the last server out for good
+        # Prefix affinity: conversation -> the server of its last finished step, oldest first; taken by its next
+        # step when queued. A conversation that ended leaves its entry until `_HOMES_KEPT` newer ones push it out.
+        self._homes: collections.OrderedDict[str, _Home] = collections.OrderedDict()
+        self._hold_timer: asyncio.TimerHandle | None = None
         # Back-pressure: a place per request accepted and not sent yet, as many as the live queue limit; blocked
         # submitters get in lowest plan position first. `_counted_lock` makes giving a place back idempotent.
         self._room = PlanOrderGate(self._compute_queue_limit())
@@ -395,7 +438,7 @@ class Dispatcher:
         try:
             if not await server.client.health():
                 raise EngineError("/health did not answer 200", server=server.name)
-            capacity = await server.client.effective_max_running()
+            capacity, server.radix_cache = await server.client.serving_shape()
         except AuthError as exc:
             server.state, server.last_error = "fatal", str(exc)
             self._fatal = exc
@@ -412,7 +455,13 @@ class Dispatcher:
         server.state, server.consecutive_failures = "up", 0
         server.alive_at, server.sched_stamp = time.monotonic(), None
         self._update_queue_limit()
-        logger.info("server %s up: %d running slots, keeping %d in flight", server.name, capacity, server.target)
+        logger.info(
+            "server %s up: %d running slots, keeping %d in flight, radix cache %s",
+            server.name,
+            capacity,
+            server.target,
+            "kept (a conversation's steps go back to it)" if server.radix_cache else "off",
+        )
         return True
 
     def _enqueue(self, work: _Work) -> None:
@@ -427,6 +476,8 @@ class Dispatcher:
         if not self._busy():
             self._last_progress = time.monotonic()
         work.seq = next(self._arrivals)
+        if work.job.affinity:
+            work.home = self._homes.pop(work.job.affinity, None)
         work.waiting = True
         heapq.heappush(self._pending, (work.queue_key(requeued=False), work))
         self._pump()
@@ -446,26 +497,81 @@ class Dispatcher:
         return best
 
     def _pump(self) -> None:
-        """Start queued requests while any server has room."""
-        while self._pending and not self._closed:
-            work = self._pending[0][1]
-            server = self._pick(work.last_server)
-            if server is None:
-                return
+        """Start queued requests, in queue order, while any server has room (prefix affinity: `_affine`)."""
+        held: list[tuple[tuple[int, tuple[int, ...], int], _Work]] = []
+        try:
+            while self._pending and not self._closed:
+                work = self._pending[0][1]
+                home = self._affine(work)
+                if home is not None:
+                    if home.free > 0:
+                        self._send(work, home)
+                        continue
+                    if self._may_hold(work):  # its home is full: later work may use the room elsewhere meanwhile
+                        held.append(heapq.heappop(self._pending))
+                        continue
+                server = self._pick(work.last_server)
+                if server is None:
+                    return
+                self._send(work, server)
+            # Only held steps are left and room elsewhere would idle: they go there, in queue order.
+            while held and not self._closed:
+                server = self._pick(held[0][1].last_server)
+                if server is None:
+                    return
+                self._send(heapq.heappop(held)[1], server, popped=True)
+        finally:
+            for entry in held:
+                heapq.heappush(self._pending, entry)
+            if held:
+                self._wake_after_hold(held)
+
+    def _affine(self, work: _Work) -> _ServerState | None:
+        """The server a step should go to: its conversation's previous one while it stays up with its radix cache.
+
+        Only a first attempt: a retry or a requeued step goes wherever there is room, as any request does.
+        """
+        if work.home is None or work.started:
+            return None
+        if not work.home.valid:
+            work.home = None  # its server went down (a restarted server's cache is empty) or keeps no cache
+            return None
+        return work.home.server
+
+    def _may_hold(self, work: _Work) -> bool:
+        """A step may wait for its full home server up to `affinity_wait_s` (the rule: docstring)."""
+        now = time.monotonic()
+        if work.held_since is None:
+            work.held_since = now
+        return now - work.held_since < self.affinity_wait_s
+
+    def _wake_after_hold(self, held: list[tuple[tuple[int, tuple[int, ...], int], _Work]]) -> None:
+        """Pump again when the first held step's wait runs out (a free slot elsewhere may be waiting for it)."""
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+        started = min(w.held_since or 0.0 for _, w in held)
+        delay = max(0.0, started + self.affinity_wait_s - time.monotonic())
+        self._hold_timer = self._loop.call_later(delay + 1e-3, self._pump)
+
+    def _send(self, work: _Work, server: _ServerState, *, popped: bool = False) -> None:
+        """Take the queue's head (or a held step already taken off it) and start its attempt on `server`."""
+        if not popped:
             heapq.heappop(self._pending)
-            work.waiting = False
-            if work.future.done():
-                continue
-            if not work.started:
-                if not work.future.set_running_or_notify_cancel():
-                    continue  # cancelled by the submitter while queued (its done-callback freed the place)
-                work.started = True
-                self._release(work)
-            if not server.inflight:  # the hang clock starts when it has work, not at its last answer before
-                server.alive_at = max(server.alive_at, time.monotonic())
-            task = self._loop.create_task(self._attempt(server, work))
-            server.inflight[task] = work
-            work.running[task] = server
+        work.waiting = False
+        if work.future.done():
+            return
+        if not work.started:
+            if not work.future.set_running_or_notify_cancel():
+                return  # cancelled by the submitter while queued (its done-callback freed the place)
+            work.started = True
+            self._release(work)
+            if work.home is not None:
+                self._c["affine" if work.home.server is server else "affinity_missed"] += 1
+        if not server.inflight:  # the hang clock starts when it has work, not at its last answer before
+            server.alive_at = max(server.alive_at, time.monotonic())
+        task = self._loop.create_task(self._attempt(server, work))
+        server.inflight[task] = work
+        work.running[task] = server
 
     def _request_timeout(self, server: _ServerState, job: GenerateJob) -> float:
         """Generous deadline from max_new_tokens and the slowest observed per-request decode speed."""
@@ -495,6 +601,7 @@ class Dispatcher:
             server.alive_at = time.monotonic()
             if not self._answered_before(server, work):  # the first answer settles it, whichever attempt gave it
                 self._succeeded(server, result)
+                self._remember_home(work, server)
                 self._finish(work, result)
         self._pump()
 
@@ -528,6 +635,7 @@ class Dispatcher:
             self._finish(work, exc)
         elif isinstance(exc, AuthError):
             server.state, server.last_error = "fatal", str(exc)
+            self._drop_homes(server)
             logger.error("%s", exc)
             self._update_queue_limit()
             self._requeue_front(server)
@@ -613,9 +721,27 @@ class Dispatcher:
         self._done_times.append((now, result.completion_tokens))
         self._c["completed"] += 1
         self._c["output_tokens"] += result.completion_tokens
+        self._c["prompt_tokens"] += result.prompt_tokens
+        self._c["cached_tokens"] += min(result.cached_tokens, result.prompt_tokens)
         if result.e2e_latency > 0 and result.completion_tokens > 0:
             speed = result.completion_tokens / result.e2e_latency
             server.speed = speed if server.speed is None else 0.9 * server.speed + 0.1 * speed
+
+    def _remember_home(self, work: _Work, server: _ServerState) -> None:
+        """The conversation's next step goes back here: this server's radix cache now holds its prefix."""
+        key = work.job.affinity
+        if not key or not server.radix_cache or server.state != "up":  # (a hung server's late answer: it may restart)
+            return
+        self._homes[key] = _Home(server, server.epoch)
+        self._homes.move_to_end(key)
+        while len(self._homes) > max(_HOMES_KEPT, 16 * self._room.capacity):
+            self._homes.popitem(last=False)
+
+    def _drop_homes(self, server: _ServerState) -> None:
+        """A server going down drops its affinities: its radix cache is gone (a restart starts it empty)."""
+        server.epoch += 1
+        for key in [k for k, home in self._homes.items() if home.server is server]:
+            del self._homes[key]
 
     def _progress(self) -> None:
         self._last_progress = time.monotonic()
@@ -637,6 +763,7 @@ class Dispatcher:
         if server.state != "up":
             return
         server.state = "down"
+        self._drop_homes(server)
         self._update_queue_limit()
         n = len(server.inflight)
         self._requeue_front(server)
@@ -656,6 +783,7 @@ class Dispatcher:
         if server.state != "up":
             return
         server.state = "down"
+        self._drop_homes(server)
         server.last_error = f"no progress for {silent_s:.0f} s with {len(server.inflight)} requests there"
         self._update_queue_limit()
         for work in list(server.inflight.values()):
@@ -852,9 +980,15 @@ class Dispatcher:
             to_submit=max(self._c["expected"] - self._c["submitted"], 0),
             queue_limit=limit,
             blocked_submitters=blocked,
+            prompt_tokens=self._c["prompt_tokens"],
+            cached_tokens=self._c["cached_tokens"],
+            affine=self._c["affine"],
+            affinity_missed=self._c["affinity_missed"],
         )
 
     async def _shutdown(self) -> None:
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
         self._fail_all(DispatcherClosed("dispatcher closed"))
         for task in list(self._background):
             task.cancel()

@@ -727,6 +727,8 @@ class MemoryPlan:
     roofline_tokens_per_s: float | None = None
     candidate_args: dict[str, list[str]] = field(default_factory=dict)  # each candidate's flags as launched
     kept_by_trial: str | None = None  # why, when a pilot's side-by-side trial chose the candidate
+    # The radix cache as launched, and why: kept (prefix reuse across a conversation's steps) or off (state slots).
+    radix_cache: dict[str, Any] = field(default_factory=dict)
     # What the plan was computed from, so it can be computed again from the engine's own memory (`recalibrated`).
     model: ModelShape | None = None
     gpu: GpuMemory | None = None
@@ -793,6 +795,7 @@ class MemoryPlan:
             "candidates": {c.name: {"args": c.flags.to_args(), "running": c.concurrency} for c in self.candidates},
             "reasons": self.reasons,
             "kept_by_trial": self.kept_by_trial,
+            "radix_cache": self.radix_cache,
         }
 
 
@@ -821,6 +824,7 @@ def plan_memory(
     prefix_reuse: PrefixReuse | None = None,
     turns: Turns = "last",
     turns_per_conversation: float = 1.0,
+    turns_source: str = "",
     output_tokens: float | None = None,
     longest_request_tokens: int | None = None,
     prefer: str | None = None,
@@ -837,6 +841,8 @@ def plan_memory(
     `turns`: "last" (each request is one turn, no prefix is shared: radix cache off) or "every" (turn k+1
     extends turn k: with `turns_per_conversation` > 1 the plan weighs the radix cache's prefix reuse against
     its extra state slots, `prefix_reuse_for_turns`; `prefix_reuse` gives the trade's inputs directly).
+    `turns_source`: where `turns_per_conversation` came from (the pilot's measured steps, or the recording), for
+    the reasons and `radix_cache`.
     `output_tokens`: mean output per request (default: half the context). `longest_request_tokens`: the longest
     prompt plus max_new_tokens; a candidate whose KV pool cannot hold it alone is never chosen.
     `prefer`: a candidate the pilot's side-by-side trial kept (`datagen.engine.plan_trial`); it wins, and
@@ -917,26 +923,33 @@ def plan_memory(
             reasons.append(f"turns extend a prefix, but {estimate}: radix cache off")
         else:
             prefix_reuse = estimate
+    counted = f"{turns_per_conversation:g} turns per conversation" + (f" ({turns_source})" if turns_source else "")
+    radix_why = ""
     if prefix_reuse is None or not radix_on:
         chosen = best_no_radix
         if turns == "last" or turns_per_conversation <= 1:
             why = "turns: last" if turns == "last" else "one turn per conversation"
-            reasons.append(
-                f"single-turn requests ({why}): no prompt shares a prefix, so the radix cache only costs slots"
+            why += f", {turns_source}" if turns_source and turns != "last" else ""
+            radix_why = f"single-turn requests ({why}): no prompt shares a prefix, so the radix cache only costs slots"
+            reasons.append(radix_why)
+        elif reasons[-1].startswith("turns extend a prefix, but"):
+            radix_why = reasons[-1]
+        else:  # no radix-on candidate is eligible (the longest request)
+            radix_why = (
+                f"turns extend a prefix ({counted}), but no candidate with the radix cache fits: radix cache off"
             )
     else:
         best_radix = max(radix_on, key=lambda c: c.concurrency)
         keep, why = choose_prefix_reuse(prefix_reuse, best_radix.concurrency, best_no_radix.concurrency)
         chosen = best_radix if keep else best_no_radix
         reasons.append(
-            f"turns extend a prefix ({turns_per_conversation:g} turns per conversation; "
-            if turns_per_conversation > 1
-            else "turns extend a prefix ("
+            f"turns extend a prefix ({counted}; " if turns_per_conversation > 1 else "turns extend a prefix ("
         )
         reasons[-1] += (
             f"{best_radix.sizing.slots_per_request} state slots per request with the radix cache, 1 without); "
             f"{'keep' if keep else 'drop'} the radix cache: {why}"
         )
+        radix_why = reasons[-1]
     if prefer is not None:
         kept = next((c for c in candidates if c.name == prefer), None)
         if kept is None:
@@ -950,6 +963,10 @@ def plan_memory(
         f"{decode_graph_max_bs(chosen_flags, gpu.total_bytes)}"
     )
     launched_flags = EngineFlags.from_args([*plan_args, *server_args])
+    if prefer is not None:
+        radix_why = f"{radix_why}; kept by the pilot's side-by-side trial: '{prefer}'".lstrip("; ")
+    if base.disable_radix_cache and not radix_why:
+        radix_why = "off: the run spec's server_args say --disable-radix-cache"
     plan = MemoryPlan(
         context_tokens=context_tokens,
         context_source=context_source,
@@ -962,6 +979,13 @@ def plan_memory(
         reasons=reasons,
         candidate_args={c.name: _launch_args(c, gpu, server_args)[1] for c in candidates},
         kept_by_trial=(prefer_why or prefer) if prefer is not None else None,
+        radix_cache={
+            "kept": not launched_flags.disable_radix_cache,
+            "turns": turns,
+            "turns_per_conversation": turns_per_conversation,
+            "turns_source": turns_source or None,
+            "why": radix_why or None,
+        },
         model=model,
         gpu=gpu,
         inputs={
@@ -969,6 +993,7 @@ def plan_memory(
             "prefix_reuse": prefix_reuse if prefix_reuse_given else None,
             "turns": turns,
             "turns_per_conversation": turns_per_conversation,
+            "turns_source": turns_source,
             "output_tokens": output_tokens,
             "longest_request_tokens": longest_request_tokens,
             "prefer": prefer,

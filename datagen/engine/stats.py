@@ -57,6 +57,15 @@ class DispatcherStats:
     to_submit: int = 0  # announced by shard workers (`add_expected`) and not handed to `submit` yet
     queue_limit: int = 0  # most requests the queue holds before `submit` blocks (live figure)
     blocked_submitters: int = 0  # threads waiting in `submit` for room in the queue
+    prompt_tokens: int = 0  # of the finished requests
+    cached_tokens: int = 0  # of those prompt tokens, found in the server's radix cache (`meta_info.cached_tokens`)
+    affine: int = 0  # steps sent to the server that served their conversation's previous step (prefix affinity)
+    affinity_missed: int = 0  # steps with such a server up that went elsewhere (it stayed full past the wait)
+
+    @property
+    def cache_hit_rate(self) -> float | None:
+        """Share of the finished requests' prompt tokens the servers' radix caches held (None before any)."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
 
     @property
     def underfed(self) -> list[str]:
@@ -90,6 +99,12 @@ class DispatcherStats:
             f"{self.in_flight:,} in flight; {_si(self.output_tokens_per_s)} tok/s, {self.completions_per_s:.2f} "
             f"req/s, {self.retries:,} retries, ETA {eta} | " + "; ".join(s.part() for s in self.servers)
         )
+        if self.cached_tokens or self.affine or self.affinity_missed:
+            rate = self.cache_hit_rate or 0.0
+            text += (
+                f" | prefix cache: {rate:.1%} of prompt tokens cached; {self.affine:,} steps to their "
+                f"conversation's server, {self.affinity_missed:,} elsewhere"
+            )
         underfed = self.underfed
         if underfed:
             text += f" | UNDERFED: {', '.join(underfed)} below their number while requests wait"

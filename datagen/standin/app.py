@@ -196,7 +196,13 @@ def _prepare(state: ServerState, items: Sequence[_Item]) -> list[Req]:
         _check_scheduler_length(state, item)
     loop = asyncio.get_running_loop()
     return [
-        Req(rid=item.rid, prompt_len=len(item.prompt_ids), plan=_plan(state, item), future=loop.create_future())
+        Req(
+            rid=item.rid,
+            prompt_len=len(item.prompt_ids),
+            plan=_plan(state, item),
+            future=loop.create_future(),
+            cached=state.prefix_cache.match(item.prompt_ids),
+        )
         for item in items
     ]
 
@@ -247,7 +253,7 @@ def _meta_info(state: ServerState, req: Req, out: list[int], reasoning: int) -> 
         "num_retractions": 0,
         "reasoning_tokens": reasoning,
         "completion_tokens": len(out),
-        "cached_tokens": 0,
+        "cached_tokens": req.cached,
         "e2e_latency": now - req.created,
         "response_sent_to_client_ts": now,
     }
@@ -311,6 +317,7 @@ async def _generate(state: ServerState, request: Request) -> Response:
     results = []
     for item, req in zip(items, reqs, strict=True):
         out, text = _output_text(state, req, item.params)
+        state.prefix_cache.insert([*item.prompt_ids, *out[:-1]])  # per server, as SGLang's radix cache
         reasoning = req.plan.reasoning_tokens if body.get("require_reasoning") else 0
         reasoning = min(reasoning, len(out))
         results.append({"text": text, "output_ids": out, "meta_info": _meta_info(state, req, out, reasoning)})
@@ -466,6 +473,7 @@ def _chat_item(state: ServerState, req: _ChatRequest) -> tuple[_Item, bool]:
 
 def _chat_body(state: ServerState, req: _ChatRequest, item: _Item, r: Req, thinking: bool) -> dict[str, Any]:
     out, text = _output_text(state, r, item.params)
+    state.prefix_cache.insert([*item.prompt_ids, *out[:-1]])
     split = thinking and req.separate_reasoning and state.args.reasoning_parser is not None
     reasoning_text: str | None = None
     content = text
@@ -481,7 +489,7 @@ def _chat_body(state: ServerState, req: _ChatRequest, item: _Item, r: Req, think
         "prompt_tokens": r.prompt_len,
         "total_tokens": r.prompt_len + len(out),
         "completion_tokens": len(out),
-        "prompt_tokens_details": {"cached_tokens": 0} if state.args.enable_cache_report else None,
+        "prompt_tokens_details": {"cached_tokens": r.cached} if state.args.enable_cache_report else None,
         "reasoning_tokens": reasoning_tokens,
         "completion_tokens_details": {"reasoning_tokens": reasoning_tokens} if reasoning_tokens else None,
     }

@@ -35,6 +35,7 @@ class Req:
     future: asyncio.Future[None]
     created: float = field(default_factory=time.time)
     pos: int = 0  # tokens emitted so far
+    cached: int = 0  # prompt tokens found in the server's radix cache when it arrived (`meta_info.cached_tokens`)
     finish_reason: dict[str, Any] | None = None
 
     @property

@@ -16,6 +16,7 @@ from typing import Any
 
 from datagen.engine.memory_plan import EngineFlags, GpuMemory, ModelShape, Sizing, is_hybrid_gdn, sglang_sizing
 from datagen.standin.knobs import KnobError, Knobs
+from datagen.standin.prefix_cache import PrefixCache
 
 _GIB = 1 << 30
 
@@ -263,6 +264,7 @@ async def _serve_http(
         max_running_per_dp=per_dp,
     )
     state.fault_rng.seed(knobs.seed)
+    state.prefix_cache = PrefixCache(max_total, enabled=not args.disable_radix_cache)
     if sizing is not None:
         # memory_pool.py's line (sizes not modelled), then resolve_max_num_reqs' warning when the state pool binds.
         logger.info("Mamba Cache is allocated. max_mamba_cache_size: %d", sizing.max_mamba_cache_size)

@@ -11,6 +11,7 @@ from typing import Any
 from datagen.chat import ChatTokenizer
 from datagen.standin import SGLANG_VERSION
 from datagen.standin.knobs import Knobs
+from datagen.standin.prefix_cache import PrefixCache
 from datagen.standin.scheduler import Scheduler
 from datagen.standin.synthetic import SyntheticModel
 
@@ -46,6 +47,7 @@ class ServerState:
     completed_requests: int = 0  # HTTP generation requests answered 200 (crash knob)
     stall_logged: bool = False
     fault_rng: random.Random = field(default_factory=random.Random)
+    prefix_cache: PrefixCache = field(default_factory=lambda: PrefixCache(0, enabled=False))  # set by the server
 
     @property
     def served_model_name(self) -> str:

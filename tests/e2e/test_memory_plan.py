@@ -320,3 +320,30 @@ def test_turns_every_weighs_the_radix_cache_and_turns_last_drops_it(model: Model
     assert blind.chosen == "no-radix-balanced" and any(
         "no estimate of the multi-turn trade" in r for r in blind.reasons
     )
+
+
+def test_the_radix_choice_and_its_reason_are_in_the_lineage_and_the_pilot_report(model: ModelShape) -> None:
+    from tasks.pilot import _engine_rows, engine_section
+
+    measured = "measured by pilot p1: 40 conversations, 4 user turns each and 2 steps per user turn"
+    kept = plan_memory(
+        model,
+        GPU,
+        16384,
+        context_source="test",
+        turns="every",
+        turns_per_conversation=8,
+        turns_source=measured,
+        output_tokens=300,
+    )
+    radix = kept.lineage()["radix_cache"]
+    assert radix["kept"] is True and radix["turns_per_conversation"] == 8 and radix["turns_source"] == measured
+    assert radix["why"].startswith(f"turns extend a prefix (8 turns per conversation ({measured}); 5 state slots")
+    assert "keep the radix cache" in radix["why"]
+    assert kept.inputs["turns_source"] == measured  # a recalibrated plan says the same
+    rows = "\n".join(_engine_rows(engine_section(None, kept, "")))
+    assert f"| radix cache for the main run (prefix reuse vs state slots) | kept: {radix['why']} |" in rows
+    short = plan_memory(model, GPU, 4096, context_source="test", turns="every", turns_per_conversation=2)
+    assert short.radix_cache["kept"] is False and "drop the radix cache" in short.radix_cache["why"]
+    last = plan_memory(model, GPU, 4096, context_source="test", turns="last")
+    assert last.radix_cache["kept"] is False and last.radix_cache["why"].startswith("single-turn requests")

@@ -82,6 +82,11 @@ def test_pilot_runs_candidate_plans_side_by_side_and_the_main_run_keeps_the_fast
     assert "| candidate 'defaults' on gpu1: SGLang defaults | " in report
     assert f"{arms['defaults']['tokens_per_s_per_server']:,.0f} tok/s per server at" in report
     assert "| plan kept for the main run (readings while the dispatcher had requests waiting) |" in report
+    # The radix cache's choice and its reason, in the pilot's report and its plan (turns: last shares no prefix).
+    assert main["radix_cache"]["kept"] is False and main["radix_cache"]["why"].startswith("single-turn requests")
+    assert (
+        f"| radix cache for the main run (prefix reuse vs state slots) | off: {main['radix_cache']['why']} |" in report
+    )
 
     # The main run reuses every pilot completion (no server starts) and records the kept plan.
     summary = expand_dataset(spec.model_copy(update={"pilot": "trial"}))
@@ -91,6 +96,10 @@ def test_pilot_runs_candidate_plans_side_by_side_and_the_main_run_keeps_the_fast
     memory = _manifest_lineage("trial_main_v1")["memory_plan"]
     assert memory["chosen"] == planned and any("kept by the pilot's side-by-side trial" in r for r in memory["reasons"])
     assert f"memory plan flags (no effect on outputs): {' '.join(memory['plan_args'])}" in card
+    assert (
+        memory["radix_cache"]["kept"] is False
+        and "kept by the pilot's side-by-side trial" in memory["radix_cache"]["why"]
+    )
     assert "kept by the pilot's side-by-side trial" in card
 
 

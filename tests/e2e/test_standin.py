@@ -170,6 +170,8 @@ def test_generate_single_thinking_structure(client: httpx.Client, tokenizer: Cha
     ]
     again = _generate(client, {"text": THINKING_PROMPT, "sampling_params": {"max_new_tokens": 1000}}).json()
     assert again["output_ids"] == ids, "same prompt, same output (retries reproduce)"
+    # This server's radix cache holds the prompt now: all of it but the last token, which is always prefilled.
+    assert again["meta_info"]["cached_tokens"] == meta["prompt_tokens"] - 1
 
 
 def test_generate_thinking_off_and_length_cut(client: httpx.Client, tokenizer: ChatTokenizer) -> None:

@@ -69,6 +69,7 @@ class FakeServers:
         self.answering.set()
         self.frozen: set[str] = set()  # servers that answer nothing (SIGSTOP): every call waits until thawed
         self.stamps: dict[str, float] = {}  # a /v1/loads scheduler timestamp that stands still (a stuck scheduler)
+        self.throughput: dict[str, float] = {}  # /v1/loads gen_throughput (the dispatcher's tie-break): 100
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         name = request.url.host
@@ -85,7 +86,7 @@ class FakeServers:
                 "num_running_reqs": self.active[name],
                 "num_waiting_reqs": self.waiting.get(name, 0),
             }
-            load |= {"max_running_requests": self.capacity, "gen_throughput": 100.0}
+            load |= {"max_running_requests": self.capacity, "gen_throughput": self.throughput.get(name, 100.0)}
             if name in self.stamps:
                 load["timestamp"] = self.stamps[name]
             return httpx.Response(200, json={"loads": [load]})
@@ -680,3 +681,181 @@ def test_a_scheduler_whose_load_timestamp_stands_still_is_hung_though_http_answe
         states = {s.name: s.state for s in d.stats().servers}
         release.set()
     assert {r.server for r in out} == {"b"} and states["a"] == "down"
+
+
+# --- prefix affinity: a conversation's steps go back to the server whose radix cache holds its prefix ---------
+
+
+class Gated:
+    """/generate answers held per prompt (its first token id) until released; records where each one ran."""
+
+    def __init__(self, fake: FakeServers) -> None:
+        self.held: set[int] = set()
+        self.where: dict[int, str] = {}
+        self.fake = fake
+        self.seen: dict[str, set[tuple[int, ...]]] = {}  # each server's prompts and outputs: its "radix cache"
+
+    async def __call__(self, name: str, body: dict[str, Any]) -> httpx.Response:
+        ids = body["input_ids"]
+        self.where[ids[0]] = name
+        while ids[0] in self.held:
+            await asyncio.sleep(0.005)
+        seen = self.seen.setdefault(name, set())
+        cached = max((n for n in range(1, len(ids)) if tuple(ids[:n]) in seen), default=0)
+        seen.update(tuple(ids[:n]) for n in range(1, len(ids) + 1))
+        response = ok(body)
+        payload = json.loads(response.content)
+        payload["meta_info"]["cached_tokens"] = cached
+        return httpx.Response(200, json=payload)
+
+    def wait_running(self, ids: list[int]) -> None:
+        for _ in range(1000):
+            if all(i in self.where for i in ids):
+                return
+            threading.Event().wait(0.005)
+        raise AssertionError(f"not all of {ids} reached a server: {self.where}")
+
+
+def step(conversation: str, k: int, order: tuple[int, ...] = (0,)) -> GenerateJob:
+    """Step k of a conversation: its prompt extends the previous step's (first token: the conversation's id)."""
+    base = 1000 * (1 + ord(conversation[0]) - ord("a"))
+    return GenerateJob(
+        [base + k, *range(1, 4 * (k + 1))], SAMPLING, label=f"{conversation}:{k}", order=order, affinity=conversation
+    )
+
+
+def test_each_step_of_a_conversation_goes_to_the_server_that_ran_its_previous_step() -> None:
+    fake = FakeServers()
+    gated = Gated(fake)
+    fake.generate = {"a": gated, "b": gated}
+    conversations = ["a", "b", "c"]  # at most 3 in flight: a server's 3 slots always have room for its own
+
+    def run(conv: str) -> list[str]:
+        servers = []
+        for k in range(5):
+            job_k = GenerateJob([1, 2, 3, *range(10, 10 + 4 * k)], SAMPLING, label=f"{conv}:{k}", affinity=conv)
+            servers.append(d.submit(job_k).result(timeout=20).server)
+        return servers
+
+    with dispatcher(fake) as d, concurrent.futures.ThreadPoolExecutor(3) as pool:
+        served = dict(zip(conversations, pool.map(run, conversations), strict=True))
+        stats = d.stats()
+    assert all(len(set(servers)) == 1 for servers in served.values()), served
+    assert stats.affine == 3 * 4 and stats.affinity_missed == 0
+    # Every later step found its conversation's history in its server's cache (the fake's: prompts and outputs seen).
+    assert stats.cached_tokens > 0 and stats.cache_hit_rate is not None and stats.cache_hit_rate > 0.5
+    assert "prefix cache:" in stats.line() and "12 steps to their conversation's server" in stats.line()
+
+
+def test_a_step_waits_for_its_full_server_while_later_work_takes_the_free_slot_elsewhere() -> None:
+    fake = FakeServers()
+    gated = Gated(fake)
+    fake.generate = {"a": gated, "b": gated}
+    with dispatcher(fake, affinity_wait_s=60.0) as d:
+        home = d.submit(step("x", 0)).result(timeout=20).server
+        other = "b" if home == "a" else "a"
+        gated.held |= set(range(6))
+        blockers = [d.submit(GenerateJob([i, 1], SAMPLING, order=(9, i))) for i in range(6)]  # 3 + 3: both full
+        gated.wait_running(list(range(6)))
+        x1 = d.submit(step("x", 1, order=(0,)))  # first in the queue
+        gated.held.add(500)
+        y = d.submit(GenerateJob([500, 1], SAMPLING, order=(5,)))  # behind it, no conversation
+        assert d.stats().queued == 2
+        gated.held.discard(next(i for i in range(6) if gated.where[i] == other))  # a slot frees on the other server
+        gated.wait_running([500])  # the later work took it ...
+        assert gated.where[500] == other and not x1.done() and d.stats().queued == 1  # ... the step waits
+        gated.held.discard(next(i for i in range(6) if gated.where[i] == home))
+        assert x1.result(timeout=20).server == home
+        gated.held.discard(500)
+        assert y.result(timeout=20).server == other
+        gated.held.clear()
+        results(blockers)
+        stats = d.stats()
+    assert stats.affine == 1 and stats.affinity_missed == 0
+
+
+def test_a_waiting_step_never_idles_a_free_slot_and_never_waits_past_the_bound() -> None:
+    fake = FakeServers()
+    gated = Gated(fake)
+    fake.generate = {"a": gated, "b": gated}
+    with dispatcher(fake, affinity_wait_s=0.3) as d:
+        home = d.submit(step("x", 0)).result(timeout=20).server
+        other = "b" if home == "a" else "a"
+        gated.held |= set(range(6))
+        blockers = [d.submit(GenerateJob([i, 1], SAMPLING, order=(9, i))) for i in range(6)]
+        gated.wait_running(list(range(6)))
+        on_other = [i for i in range(6) if gated.where[i] == other]
+        # Nothing else queued: a slot that frees elsewhere takes the step at once rather than idle.
+        x1 = d.submit(step("x", 1))
+        gated.held.discard(on_other[0])
+        assert x1.result(timeout=20).server == other
+        # Now its home is the other server, full again; later work queued behind the next step.
+        gated.held.add(501)
+        filler = d.submit(GenerateJob([501, 1], SAMPLING, order=(8,)))
+        gated.wait_running([501])
+        x2 = d.submit(step("x", 2, order=(0,)))
+        gated.held |= {600, 601}
+        later = [d.submit(GenerateJob([600 + i, 1], SAMPLING, order=(5, i))) for i in range(2)]
+        free_home = next(i for i in range(6) if gated.where[i] == home and i in gated.held)
+        gated.held.discard(free_home)  # the first server (not its home now) frees a slot: the later work takes it
+        gated.wait_running([600])
+        assert not x2.done() and 601 not in gated.where
+        threading.Event().wait(0.5)  # past the bound: the next slot to free anywhere is the step's
+        x2_first = step("x", 2).input_ids[0]
+        gated.held.add(x2_first)  # (kept there until checked: its slot must not free for the later work)
+        gated.held.discard(next(i for i in range(6) if gated.where[i] == home and i in gated.held))
+        gated.wait_running([x2_first])
+        assert gated.where[x2_first] == home
+        assert 601 not in gated.where  # the step went before the later work once its wait ran out
+        gated.held.clear()
+        assert x2.result(timeout=20).server == home
+        results([*blockers, filler, *later])
+        stats = d.stats()
+    assert stats.affine == 0 and stats.affinity_missed == 2
+
+
+def test_a_server_that_goes_down_drops_its_affinities() -> None:
+    fake = FakeServers()
+    fake.throughput = {"a": 200.0}  # ties go to the faster: "a" first
+    with dispatcher(fake) as d:
+        threading.Event().wait(0.3)  # a load poll read the throughputs
+        assert d.submit(step("x", 0)).result(timeout=20).server == "a"
+
+        async def refused(name: str, body: dict[str, Any]) -> httpx.Response:
+            fake.healthy["a"] = False
+            raise httpx.ConnectError("connection refused")
+
+        fake.generate = {"a": refused}
+        assert d.submit(job(7)).result(timeout=20).server == "b"  # "a" refused it: marked down
+        fake.generate, fake.healthy["a"] = {}, True
+        fake.throughput = {"b": 200.0}  # now ties go to "b"
+        for _ in range(400):
+            if {s.name: s.state for s in d.stats().servers}["a"] == "up":
+                break
+            threading.Event().wait(0.01)
+        threading.Event().wait(0.3)  # a load poll read the new throughputs
+        # "a" is back, but restarted: its cache is empty, so the step goes where there is most room (a tie: "b").
+        assert d.submit(step("x", 1)).result(timeout=20).server == "b"
+        assert d.submit(step("x", 2)).result(timeout=20).server == "b"  # and stays there
+
+
+class NoRadixServers(FakeServers):
+    """Servers launched with --disable-radix-cache: their /server_info says so."""
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/server_info":
+            state = {"effective_max_running_requests_per_dp": self.capacity_reported}
+            return httpx.Response(200, json={"internal_states": [state], "disable_radix_cache": True})
+        return await super().handle(request)
+
+
+def test_a_server_without_the_radix_cache_gets_no_affinity() -> None:
+    fake = NoRadixServers()
+    fake.throughput = {"a": 200.0}
+    with dispatcher(fake) as d:
+        threading.Event().wait(0.3)
+        assert d.submit(step("x", 0)).result(timeout=20).server == "a"
+        fake.throughput = {"b": 200.0}
+        threading.Event().wait(0.3)
+        assert d.submit(step("x", 1)).result(timeout=20).server == "b"  # nothing cached to go back for
+        assert d.stats().affine == 0

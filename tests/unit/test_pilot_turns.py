@@ -21,7 +21,16 @@ from tasks import pilot_turns
 from tasks.chains import Chain, ChainRun, DecodeModel
 from tasks.generation import pilot_step_tokens
 from tasks.ordering import LengthModel, StepModel, recorded_kinds, step_kind, step_lengths
-from tasks.pilot import PILOT_JSON, PilotPopulation, PilotSpec, import_pilot, project, render_projection
+from tasks.pilot import (
+    PILOT_JSON,
+    RECORDED_TURNS,
+    PilotPopulation,
+    PilotSpec,
+    import_pilot,
+    plan_turns,
+    project,
+    render_projection,
+)
 from tasks.pilot_turns import PilotMeasure, SampledChain, chain_walls, conversation_key, user_turns
 from tasks.planning import ShardEntry, ShardPlan, plan_shards
 from tasks.selection import SelectionReport
@@ -385,3 +394,17 @@ def test_the_driver_and_the_projection_take_the_pilots_step_lengths_and_old_pilo
     # both plan orders (long-first, shuffled); shared over the steps (before), both expected 600 and the plan
     # order decided.
     assert first == [(20, 900), (20, 900)]
+
+
+def test_the_radix_cache_choice_takes_the_pilots_measured_steps_not_the_recordings_count(tmp_path: Path) -> None:
+    layout, plan, population, summary = _hand_case(tmp_path)
+    throughput = {"aggregate_tokens_per_s": 100.0, "servers": 2, "method": "whole_run"}
+    p = project(layout, plan, population, summary, throughput, 4, PilotSpec(name="p1"))
+    # 250 steps projected for 150 conversations (user turns and tool rounds: each extends the one before).
+    turns, source = plan_turns(p, 3.0)
+    assert turns == 1.667
+    assert source.startswith("measured by pilot p1: 4 conversations, 1.25 user turns each and 1.2 steps per user turn")
+    assert source.endswith("projected over 150; the recording said 3")
+    # No pilot, or a `last` mode pilot (no conversations measured): the recording's count, said so.
+    assert plan_turns(None, 3.0) == (3.0, RECORDED_TURNS)
+    assert plan_turns(p.model_copy(update={"conversations": None}), 3.0) == (3.0, RECORDED_TURNS)
