@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import random
 import signal
 import sys
 import tempfile
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Literal
 
@@ -64,12 +65,21 @@ __all__ = ["main", "run_pilot", "workload"]
 
 PILOT_SHARE = 0.10
 # How the driver ranks conversations in a measured run, and the policy of the bound it is measured against.
-Ranking = Literal["pilot", "count"]
+Ranking = Literal["count", "pilot", "pilot_band"]
 RANKINGS: dict[Ranking, str] = {
-    "pilot": "the pilot's per-kind step lengths (tasks.ordering.step_lengths), what a run with a pilot has",
     "count": "each step counts 1 (a run whose pilot is not on its box)",
+    "pilot": "the pilot's per-kind step lengths (tasks.ordering.step_lengths), what a run with a pilot has",
+    "pilot_band": "the pilot's step lengths by category and kind, each conversation labelled with the band its "
+    "true mean step length falls in (standing in for topic labels, as benchmarks.generation's categories)",
 }
-POLICY_OF: dict[Ranking, Policy] = {"pilot": "expected_work_left", "count": "most_steps_left"}
+POLICY_OF: dict[Ranking, Policy] = {
+    "count": "most_steps_left",
+    "pilot": "expected_work_left",
+    "pilot_band": "expected_work_left",
+}
+# The bands of `pilot_band` as shares of the length mean: benchmarks.generation's short < 800 / medium < 2,500 /
+# long of its mean 1,500, here of a conversation's mean step.
+BANDS = (("short", 800 / 1500), ("medium", 2500 / 1500))
 # Named configurations: their settings are the defaults (flags given still override them).
 PRESETS: dict[str, dict[str, Any]] = {
     # Issue 36's own measurement: 800 plain conversations of 1-5 user turns on one server of 64 slots.
@@ -151,6 +161,33 @@ def _chains(
     return chains, prompts
 
 
+def _write_shards(layout: RunLayout, prompts: list[Prompt], shards: int) -> list[list[Prompt]]:
+    per_shard = -(-len(prompts) // shards)
+    by_shard = [prompts[s * per_shard : (s + 1) * per_shard] for s in range(shards)]
+    for s, chunk in enumerate(by_shard):
+        path = layout.shard_prompts(s)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(p.to_json() + "\n" for p in chunk))
+    return by_shard
+
+
+def label_pass(
+    name: str,
+    prompts: list[Prompt],
+    endpoints: list[ServerEndpoint],
+    chat: ChatTokenizer,
+    spec: RunSpec,
+    work_dir: Path,
+    shards: int,
+    workers: int,
+) -> list[list[int]]:
+    """Every conversation's true step lengths, in plan order, from an untimed run (for `band_labels`)."""
+    layout = RunLayout(work_dir / f"{name}-labels")
+    by_shard = _write_shards(layout, prompts, shards)
+    run_shards(endpoints, layout, chat, spec, shards, workers, monitor=False)
+    return _chains(layout, shards, by_shard, spec, chat)[0]
+
+
 def run_pilot(
     name: str,
     prompts: list[Prompt],
@@ -158,7 +195,6 @@ def run_pilot(
     chat: ChatTokenizer,
     spec: RunSpec,
     work_dir: Path,
-    workers: int,
     seed: int,
 ) -> tuple[StepLengths, dict[str, Any]]:
     """What a run's pilot gives the driver: a seeded sample of the workload (`PILOT_SHARE` of its conversations,
@@ -198,6 +234,9 @@ def run_pilot(
         "mean_step_tokens": step_model.global_mean,
         "mean_step_tokens_by_kind": {k: round(v.mean, 1) for k, v in step_model.by_kind.items()},
         "steps_by_kind": {k: v.n for k, v in step_model.by_kind.items()},
+        "mean_step_tokens_by_category": {
+            c: {k: round(v.mean, 1) for k, v in kinds.items()} for c, kinds in step_model.by_category.items()
+        },
     }
     return step_lengths(LengthModel.fit(samples), step_model), summary
 
@@ -225,6 +264,19 @@ def _against(run: dict[str, Any], bound: ChainRun, model: DecodeModel, servers: 
     }
 
 
+def band_labels(prompts: list[Prompt], chains: list[list[int]], length_mean: float) -> list[Prompt]:
+    """The prompts, each labelled with the band of its conversation's true mean step length (`BANDS`; a
+    conversation without a step keeps no category). The label is not sent: outputs and keys do not change."""
+    out = []
+    for p, steps in zip(prompts, chains, strict=True):
+        band = None
+        if steps:
+            mean = sum(steps) / len(steps)
+            band = next((b for b, share in BANDS if mean < share * length_mean), "long")
+        out.append(dataclasses.replace(p, category=band))
+    return out
+
+
 def run_workload(
     name: str,
     ranking: Ranking,
@@ -244,13 +296,8 @@ def run_workload(
     """One workload through the real shard driver, ranking conversations by `ranking`; its measured figures
     against the bound of every policy (`policy_bound`: the bound of the policy the driver follows)."""
     layout = RunLayout(work_dir / f"{name}-run-{ranking}")
-    per_shard = -(-len(prompts) // shards)
-    by_shard = [prompts[s * per_shard : (s + 1) * per_shard] for s in range(shards)]
-    for s, chunk in enumerate(by_shard):
-        path = layout.shard_prompts(s)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(p.to_json() + "\n" for p in chunk))
-    step_tokens = pilot_lengths if ranking == "pilot" else None
+    by_shard = _write_shards(layout, prompts, shards)
+    step_tokens = pilot_lengths if ranking != "count" else None
     timed = run_shards(endpoints, layout, chat, spec, shards, workers, monitor=True, step_tokens=step_tokens)
     results, wall, monitor = timed.results, timed.wall_s, timed.monitor
     assert monitor is not None
@@ -280,7 +327,10 @@ def run_workload(
     out["steps_per_conversation"] = {str(k): sum(len(c) == k for c in chains) for k in range(max(map(len, chains)) + 1)}
     bounds = _bounds(chains, ordered, len(endpoints), slots, model, pilot_lengths)
     out["bound"] = {policy: _against(out, b, model, len(endpoints), slots) for policy, b in bounds.items()}
+    # Each conversation's step lengths and recorded steps, in plan order: to replay the bounds under other policies.
+    out["chains"] = [[steps, len(pilot_lengths(p))] for steps, p in zip(chains, ordered, strict=True)]
     oracle = bounds["oracle_longest_first"].utilization
+    out["categories"] = dict(sorted(Counter(str(p.category) for p in ordered).items()))
     out["bound_share_of_oracle"] = {policy: b.utilization / oracle for policy, b in bounds.items()}
     t_first = monitor.samples[0].t
     out["timeline"] = [
@@ -365,24 +415,34 @@ def main(argv: list[str] | None = None) -> int:
         ]
         for name in args.workloads:
             prompts = workload(name, args.conversations, args.seed)
-            lengths, pilot = run_pilot(name, prompts, endpoints, chat, spec, work, args.workers, args.seed)
+            lengths, pilot = run_pilot(name, prompts, endpoints, chat, spec, work, args.seed)
             runs[name] = {"pilot_sample": pilot}
-            for ranking in args.rankings:
+            chains: list[list[int]] | None = None  # every conversation's true steps, from the first run
+            for ranking in sorted(args.rankings, key=lambda r: r == "pilot_band"):  # the band's labels need them
+                run_prompts, run_lengths = prompts, lengths
+                if ranking == "pilot_band":
+                    if chains is None:  # no other run measured them: an untimed run that only labels
+                        chains = label_pass(name, prompts, endpoints, chat, spec, work, args.shards, args.workers)
+                    run_prompts = band_labels(prompts, chains, args.length_mean)
+                    run_lengths, runs[name]["pilot_sample_band"] = run_pilot(
+                        f"{name}-band", run_prompts, endpoints, chat, spec, work, args.seed
+                    )
                 runs[name][ranking] = run_workload(
                     name,
                     ranking,
-                    prompts,
+                    run_prompts,
                     endpoints,
                     chat,
                     spec,
                     work,
-                    pilot_lengths=lengths,
+                    pilot_lengths=run_lengths,
                     shards=args.shards,
                     workers=args.workers,
                     ideal=ideal,
                     model=model,
                     slots=args.slots,
                 )
+                chains = [c for c, _ in runs[name][ranking]["chains"]]
     report = {
         "config": vars(args) | {"out": str(args.out)},
         "ideal_tokens_per_s": ideal,
@@ -392,11 +452,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.write_text(json.dumps(report, indent=2))
     for name, by_ranking in runs.items():
-        p = by_ranking["pilot_sample"]
-        print(
-            f"{name}: pilot {p['conversations']} conversations, {p['steps']} steps, mean step "
-            f"{p['mean_step_tokens']:.0f} tokens {p['mean_step_tokens_by_kind']}"
-        )
+        for key in ("pilot_sample", "pilot_sample_band"):
+            if key in by_ranking:
+                p = by_ranking[key]
+                print(
+                    f"{name}: {key} {p['conversations']} conversations, {p['steps']} steps, mean step "
+                    f"{p['mean_step_tokens']:.0f} tokens {p['mean_step_tokens_by_kind']}"
+                    f" {p['mean_step_tokens_by_category'] or ''}"
+                )
         for ranking in args.rankings:
             r = by_ranking[ranking]
             print(
