@@ -49,7 +49,7 @@ from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Message, Prompt
 from datagen.runspec import RunSpec, SamplingSpec
 from datagen.standin.testing import run_standin
-from tasks.chains import POLICIES, Chain, ChainRun, DecodeModel, Policy, simulate_chains
+from tasks.chains import POLICIES, Chain, ChainRun, DecodeModel, simulate_chains
 from tasks.ordering import (
     LengthModel,
     LengthSample,
@@ -72,8 +72,8 @@ RANKINGS: dict[Ranking, str] = {
     "pilot_band": "the pilot's step lengths by category and kind, each conversation labelled with the band its "
     "true mean step length falls in (standing in for topic labels, as benchmarks.generation's categories)",
 }
-POLICY_OF: dict[Ranking, Policy] = {
-    "count": "most_steps_left",
+POLICY_OF: dict[Ranking, str] = {
+    "count": "recorded_steps_left",
     "pilot": "expected_work_left",
     "pilot_band": "expected_work_left",
 }
@@ -244,12 +244,16 @@ def run_pilot(
 def _bounds(
     chains: list[list[int]], prompts: list[Prompt], servers: int, slots: int, model: DecodeModel, lengths: StepLengths
 ) -> dict[str, ChainRun]:
-    """The perfect client's run under every policy; `expected_work_left` with the pilot's expected step lengths."""
-    built = [
-        Chain(tuple(steps), turns=len(Script.of(p).turns), expected=lengths(p))
-        for steps, p in zip(chains, prompts, strict=True)
-    ]
-    return {policy: simulate_chains(built, servers, slots, model, policy) for policy in POLICIES}
+    """The perfect client's run under every policy; `expected_work_left` with the pilot's expected step lengths, and
+    `recorded_steps_left` with each recorded step counting 1 (what the driver ranks by without a pilot)."""
+    built, counted = [], []
+    for steps, p in zip(chains, prompts, strict=True):
+        expected = lengths(p)
+        built.append(Chain(tuple(steps), turns=len(Script.of(p).turns), expected=expected))
+        counted.append(Chain(tuple(steps), turns=len(Script.of(p).turns), expected=(1.0,) * len(expected)))
+    runs: dict[str, ChainRun] = {policy: simulate_chains(built, servers, slots, model, policy) for policy in POLICIES}
+    runs["recorded_steps_left"] = simulate_chains(counted, servers, slots, model, "expected_work_left")
+    return runs
 
 
 def _against(run: dict[str, Any], bound: ChainRun, model: DecodeModel, servers: int, slots: int) -> dict[str, Any]:
