@@ -29,6 +29,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import signal
 import sys
 import tempfile
@@ -344,6 +345,12 @@ def run_workload(
     return out
 
 
+def compact_json(report: dict[str, Any]) -> str:
+    """The report as indented JSON, each list of numbers on one line (the chains and the timeline stay small)."""
+    text = json.dumps(report, indent=2)
+    return re.sub(r"\[\s*([-\d.eE,\s]*?)\s*\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and write its JSON report."""
     ap = argparse.ArgumentParser(prog="python -m benchmarks.conversations")
@@ -454,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_count": os.cpu_count(),
         "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
     }
-    args.out.write_text(json.dumps(report, indent=2))
+    args.out.write_text(compact_json(report))
     for name, by_ranking in runs.items():
         for key in ("pilot_sample", "pilot_sample_band"):
             if key in by_ranking:
