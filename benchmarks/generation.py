@@ -59,7 +59,7 @@ from datagen.standin.knobs import Knobs
 from datagen.standin.synthetic import SyntheticModel
 from datagen.standin.testing import run_standin
 from tasks.chains import Chain, DecodeModel, simulate_chains
-from tasks.generation import ShardResult, generate_shard
+from tasks.generation import ShardResult, StepTokens, generate_shard
 from tasks.ordering import LengthModel, LengthSample, prompt_chars
 
 __all__ = ["TimedShards", "main", "run_once", "run_shards"]
@@ -190,10 +190,13 @@ def run_shards(
     *,
     monitor: bool,
     queue_depth: int | None = None,
+    step_tokens: StepTokens | None = None,
 ) -> TimedShards:
     """Generate shards 0..`shards`-1 of `layout` through one dispatcher, `workers` at once, timed from the first.
 
     `monitor`: sample the servers' /metrics and the dispatcher's queue meanwhile (`_Monitor`, for `_phases`).
+    `step_tokens` (every turn): each conversation's expected step lengths, as a run's pilot gives them
+    (`generate_shard`'s; None: the driver's own default, each step 1 when no pilot is on the box).
     """
     pids = [_standin_pid(int(ep.url.rsplit(":", 1)[1])) for ep in endpoints]
     with contextlib.ExitStack() as stack:
@@ -207,7 +210,10 @@ def run_shards(
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             results = list(
                 pool.map(
-                    lambda s: generate_shard(s, layout, dispatcher, chat, spec, flush_interval_s=2.0), range(shards)
+                    lambda s: generate_shard(
+                        s, layout, dispatcher, chat, spec, flush_interval_s=2.0, step_tokens=step_tokens
+                    ),
+                    range(shards),
                 )
             )
         wall = time.monotonic() - t0
