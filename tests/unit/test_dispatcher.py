@@ -677,6 +677,9 @@ def test_a_scheduler_whose_load_timestamp_stands_still_is_hung_though_http_answe
     fake.stamps["a"] = 1000.0  # SGLang's snapshot time: published by the scheduler loop, which is stuck
     fake.stamps["b"] = 1000.0
     with dispatcher(fake, hang_timeout_s=1.5) as d:
+        # Both servers up before anything is sent: on a loaded box, b alone could otherwise take all ten before a's
+        # first contact, and a (never sent anything) would rightly stay up.
+        wait_for(lambda: {s.state for s in d.stats().servers} == {"up"})
         out = results([d.submit(job(i)) for i in range(10)])
         states = {s.name: s.state for s in d.stats().servers}
         release.set()
