@@ -198,7 +198,14 @@ def main(argv: list[str] | None = None) -> int:
             turns=turn_mode(spec),
         )
         projection = project(
-            pilot_layout, pilot_plan, population, summary, pilot_run["throughput"], args.servers, pilot_spec
+            pilot_layout,
+            pilot_plan,
+            population,
+            summary,
+            pilot_run["throughput"],
+            args.servers,
+            pilot_spec,
+            turns=turn_mode(spec),
         )
         model: LengthModel = projection.length_model
         if args.turns == "every":  # the driver ranks conversations by the pilot's lengths (`pilot_step_tokens`)

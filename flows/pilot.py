@@ -118,7 +118,7 @@ def _pilot(spec: RunSpec, pilot_spec: pilot.PilotSpec) -> dict[str, Any]:
         turns=turn_mode(spec),
     )
     servers = pilot_spec.project_servers or settings.num_servers
-    projection = project_task(layout, plan, population, summary, throughput, servers, pilot_spec)
+    projection = project_task(layout, plan, population, summary, throughput, servers, pilot_spec, turns=turn_mode(spec))
     trial = (
         plan_trial.judge(arms, server_names, probe.server_readings, [(s.t, s.queued) for s in probe.samples])
         if arms

@@ -215,7 +215,8 @@ class EveryTurn(TurnMode):
         return f"conversation {conv.prompt.prompt_id}, step {step}: {detail}"
 
     def conversation_of(self, c: Completion) -> str | None:
-        return c.prompt_id
+        # A line whose key this mode never writes (e.g. left by a `last` run) stands alone, never cutting another.
+        return c.prompt_id if split_step_key(c.request_key) is not None else None
 
     def plan_step(self, request_key: str) -> int | None:
         split = split_step_key(request_key)

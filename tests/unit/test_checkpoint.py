@@ -119,7 +119,7 @@ def test_pilot_projection_skips_a_torn_tail(tmp_path: Path) -> None:
     plan = ShardPlan.model_construct(shard_ids=[0])
     population = PilotPopulation(population_by_source={"s": 3}, sample_by_source={"s": 3}, selection=SelectionReport())
     throughput = {"aggregate_tokens_per_s": 100.0, "servers": 1}
-    projection = project(layout, plan, population, ValidationSummary(), throughput, 1, PilotSpec())
+    projection = project(layout, plan, population, ValidationSummary(), throughput, 1, PilotSpec(), turns=LastTurn())
     # Two completions (3 and 4 tokens) and one generation reject were committed; the torn halves are not rows.
     assert projection.output_tokens["pilot_total"] == 7
     assert projection.output_tokens["by_source"]["s"]["sampled"] == 3
