@@ -146,10 +146,10 @@ def iter_in_plan_order(path: Path, turns: TurnMode) -> Iterator[tuple[int, Compl
         request_key = _REQUEST_KEY_RE.search(line.text)
         step = None if request_key is None else turns.plan_step(request_key.group(1))
         conversation = _PROMPT_ID_RE.match(line.text) if step is not None else None
-        key = conversation.group(1) if conversation else ""
+        key, order = (conversation.group(1), step) if conversation and step is not None else ("", -1)
         if key:
             first[key] = min(first.get(key, position), position)
-        index.append((position, key, step if key and step is not None else -1, line.lineno, line.offset, line.length))
+        index.append((position, key, order, line.lineno, line.offset, line.length))
     index.sort(key=lambda e: (first.get(e[1], e[0]), *e[1:]))
     with path.open("rb") as f:
         for *_, lineno, start, size in index:
