@@ -39,6 +39,7 @@ from typing import Any
 from benchmarks.conversations import workload
 from datagen.chat import ChatTokenizer
 from datagen.checks.repetition import word_tokens
+from datagen.conversation.turn_mode import turn_mode
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.endpoints import ServerEndpoint
 from datagen.layout import RunLayout
@@ -190,10 +191,21 @@ def main(argv: list[str] | None = None) -> int:
         pilot_plan, population = plan_pilot(spec, pilot_spec, pilot_layout, set())
         pilot_results, pilot_run = _generate(endpoints, chat, spec, pilot_layout, pilot_plan, args.workers)
         summary = validate_shards(
-            [Path(r.completions_path) for r in pilot_results], pilot_layout.validated_dir, spec.validation, True
+            [Path(r.completions_path) for r in pilot_results],
+            pilot_layout.validated_dir,
+            spec.validation,
+            True,
+            turns=turn_mode(spec),
         )
         projection = project(
-            pilot_layout, pilot_plan, population, summary, pilot_run["throughput"], args.servers, pilot_spec
+            pilot_layout,
+            pilot_plan,
+            population,
+            summary,
+            pilot_run["throughput"],
+            args.servers,
+            pilot_spec,
+            turns=turn_mode(spec),
         )
         model: LengthModel = projection.length_model
         if args.turns == "every":  # the driver ranks conversations by the pilot's lengths (`pilot_step_tokens`)

@@ -24,6 +24,7 @@ from pathlib import Path
 import tokenizers
 
 from datagen.chat import IM_END_ID, ChatTokenizer
+from datagen.conversation.turn_mode import LastTurn
 from datagen.identity import prompt_id_from_messages
 from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Completion, Message
@@ -111,7 +112,9 @@ def run_benchmark(samples: int, mean_tokens: int, rows_per_file: int) -> dict[st
         shard = Path(tmp) / "shard-00000.accepted.jsonl"
         shard.write_text("".join(c.to_json() + "\n" for c in completions), encoding="utf-8")
         t0 = time.perf_counter()
-        summary = tokenize_accepted([shard], Path(tmp) / "dataset", chat, True, rows_per_file=rows_per_file)
+        summary = tokenize_accepted(
+            [shard], Path(tmp) / "dataset", chat, True, rows_per_file=rows_per_file, turns=LastTurn()
+        )
         stage_s = time.perf_counter() - t0
         data_bytes = summary.data_bytes
     assert summary.rows == samples, summary.rejects_by_reason

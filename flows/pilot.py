@@ -20,6 +20,7 @@ from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 from datagen import paths
 from datagen.chat import ChatTokenizer
 from datagen.checks.repetition import word_tokens
+from datagen.conversation.turn_mode import turn_mode
 from datagen.engine import plan_trial
 from datagen.layout import RunLayout
 from datagen.operations import alerts, failure, report
@@ -116,9 +117,10 @@ def _pilot(spec: RunSpec, pilot_spec: pilot.PilotSpec) -> dict[str, Any]:
         spec.validation,
         spec.sampling.enable_thinking,
         word_tokens(chat),  # judged like the main run: structure is not a loop
+        turns=turn_mode(spec),
     )
     servers = pilot_spec.project_servers or settings.num_servers
-    projection = project_task(layout, plan, population, summary, throughput, servers, pilot_spec)
+    projection = project_task(layout, plan, population, summary, throughput, servers, pilot_spec, turns=turn_mode(spec))
     trial = (
         plan_trial.judge(arms, server_names, probe.server_readings, [(s.t, s.queued) for s in probe.samples])
         if arms

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict
 from datagen.chat import ChatTokenizer
 from datagen.checks.quality import ValidationSummary
 from datagen.checks.repetition import word_tokens
+from datagen.conversation.turn_mode import turn_mode
 from datagen.layout import RunLayout
 from datagen.runspec import RunSpec
 from tasks.generation import ShardResult
@@ -58,9 +59,15 @@ class StreamingFinish:
         self._handed_out = 0
         self.finished: list[ShardResult] = []
         self.validator = ShardValidator(
-            layout.validated_dir, spec.validation, spec.sampling.enable_thinking, word_tokens(chat)
+            layout.validated_dir,
+            spec.validation,
+            spec.sampling.enable_thinking,
+            word_tokens(chat),
+            turns=turn_mode(spec),
         )
-        self.tokenizer = StreamingTokenizer(layout.staging_dir, chat, spec.sampling.enable_thinking)
+        self.tokenizer = StreamingTokenizer(
+            layout.staging_dir, chat, spec.sampling.enable_thinking, turns=turn_mode(spec)
+        )
         self.tokenizer.add_rejects(layout.load_rejects)
         self._validation: ValidationSummary | None = None
         self._tokenized: TokenizationSummary | None = None

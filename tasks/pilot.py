@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from datagen.chat import ChatTokenizer
 from datagen.checkpoint import CheckpointLine, append_lines, read_lines, settled_keys
 from datagen.checks.quality import ValidationSummary
-from datagen.conversation.turn_mode import turn_mode
+from datagen.conversation.turn_mode import TurnMode, turn_mode
 from datagen.conversation.turn_stats import distribution
 from datagen.engine import plan_trial
 from datagen.engine.dispatcher import Dispatcher
@@ -423,6 +423,8 @@ def project(
     throughput: dict[str, Any],
     servers: int,
     pilot: PilotSpec,
+    *,
+    turns: TurnMode,
 ) -> Projection:
     """Project output tokens, wall time, GPU-hours, reject rate and dataset size for the full set.
 
@@ -430,7 +432,7 @@ def project(
     sample over-represents (min_per_source) does not skew the totals.
     """
     # A sample is a prompt in `last` mode and a whole conversation in every-turn mode (tasks.pilot_turns).
-    measured = pilot_turns.measure(layout, plan, summary.reject_paths)
+    measured = pilot_turns.measure(layout, plan, turns, summary.reject_paths)
     tokens, row_tokens, gen_rejects, samples = (
         measured.tokens,
         measured.row_tokens,

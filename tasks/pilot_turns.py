@@ -26,7 +26,8 @@ from typing import Any
 
 from datagen.checkpoint import read_rows
 from datagen.conversation.regeneration import is_query, split_step_key
-from datagen.conversation.turn_stats import Step, TurnSummary, conversations, distribution, is_step_row
+from datagen.conversation.turn_mode import TurnMode
+from datagen.conversation.turn_stats import Step, TurnSummary, conversations, distribution
 from datagen.layout import RunLayout
 from datagen.records import Message, Prompt
 from tasks.chains import Chain, DecodeModel, simulate_chains
@@ -104,11 +105,13 @@ def _rows(paths: Iterable[Path]) -> list[dict[str, Any]]:
     return [row for path in paths for row in read_rows(path)]
 
 
-def measure(layout: RunLayout, plan: ShardPlan, validation_reject_paths: Collection[str] = ()) -> PilotMeasure:
-    """The pilot's measurements in whichever mode its checkpoint lines were written."""
+def measure(
+    layout: RunLayout, plan: ShardPlan, turns: TurnMode, validation_reject_paths: Collection[str] = ()
+) -> PilotMeasure:
+    """The pilot's measurements in the run's turn mode: a sample is a prompt, or (every turn) a conversation."""
     completions = _rows(layout.shard_completions(i) for i in plan.shard_ids)
     rejects = _rows(layout.shard_rejects(i) for i in plan.shard_ids)
-    if any(is_step_row(c) for c in completions):
+    if turns.continues:
         return measure_conversations(layout, plan, completions, rejects, validation_reject_paths)
     return measure_completions(completions, rejects)
 

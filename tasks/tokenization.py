@@ -16,7 +16,7 @@ Output (all of it is what gets published):
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from itertools import chain
 from pathlib import Path
@@ -42,13 +42,13 @@ from datagen.conversation.segments import (
     EARLIER_TURN_REJECTED,
     Segment,
     cut_outcome,
-    is_step,
     segments,
     where,
 )
+from datagen.conversation.turn_mode import TurnMode
 from datagen.publishing.dataset_card import DatasetSizes
 from datagen.records import REJECT_SCHEMA, TOKEN_ROW_SCHEMA, Completion, Message, Reject, TokenRow
-from tasks.validation import MalformedRecord, iter_jsonl_completions
+from tasks.validation import iter_conversations, iter_jsonl_completions
 
 __all__ = [
     "TOKENIZE_REASONS",
@@ -462,18 +462,6 @@ def _read_rejects(path: Path) -> Iterator[Reject]:
             raise CheckpointError(f"{path}:{line.lineno}: not a Reject row: {exc}") from exc
 
 
-def _batches(paths: Iterable[Path], size: int) -> Iterator[list[tuple[Path, int, Completion | MalformedRecord]]]:
-    batch: list[tuple[Path, int, Completion | MalformedRecord]] = []
-    for path in paths:
-        for lineno, item in iter_jsonl_completions(path):
-            batch.append((path, lineno, item))
-            if len(batch) >= size:
-                yield batch
-                batch = []
-    if batch:
-        yield batch
-
-
 def _clean(directory: Path, pattern: str) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     # A previous attempt's files would be published alongside this one's: remove them first.
@@ -491,6 +479,10 @@ class StreamingTokenizer:
     The streaming form of `tokenize_accepted`: shards arrive as they are validated (while others still
     generate), parquet parts stay open across shards, and only the final renames wait for the last shard.
     Existing `data/train-*.parquet` and `rejects/rejects-*.parquet` are removed on construction.
+
+    The unit tokenized is a conversation, as the run's turn mode gathers a file's lines (`iter_conversations`);
+    how its rows are built is the mode's (`_ROWS`): a `last` conversation is one row, `batch_size` of them built
+    together in `mode`; an every-turn conversation is one token-exact row per user turn.
     """
 
     def __init__(
@@ -501,6 +493,8 @@ class StreamingTokenizer:
         rows_per_file: int = 10_000,
         mode: TokenizationMode = "token_exact",
         batch_size: int = 256,
+        *,
+        turns: TurnMode,
     ) -> None:
         if rows_per_file < 1 or batch_size < 1:
             raise ValueError("rows_per_file and batch_size must be >= 1")
@@ -509,6 +503,8 @@ class StreamingTokenizer:
         self.enable_thinking = enable_thinking
         self.mode: TokenizationMode = mode
         self.batch_size = batch_size
+        self._rows = _ROWS[turns.name]
+        self.turns = turns
         self._data_dir, self._rejects_dir = staging_dir / "data", staging_dir / "rejects"
         _clean(self._data_dir, "train-*.parquet")
         _clean(self._rejects_dir, "rejects-*.parquet")
@@ -517,7 +513,6 @@ class StreamingTokenizer:
         self._conversations = ConversationWriter(staging_dir, rows_per_file)
         self.summary = TokenizationSummary(mode=mode)
         self._pending: list[Reject] = []
-        self._steps: list[Completion] = []  # every turn: the conversation being gathered
 
     def _reject(self, r: Reject) -> None:
         summary = self.summary
@@ -542,40 +537,47 @@ class StreamingTokenizer:
             self._reject(r)
 
     def add_accepted(self, path: Path) -> None:
-        """Tokenize one accepted-completions JSONL file."""
-        for batch in _batches([Path(path)], self.batch_size):
-            rows: list[TokenRow] = []
-            completions: list[Completion] = []
-            for src, lineno, item in batch:
-                if self._steps and (isinstance(item, MalformedRecord) or item.prompt_id != self._steps[0].prompt_id):
-                    self._add_conversation()
-                if isinstance(item, MalformedRecord):
-                    self._reject(Reject("tokenize", "malformed_record", f"{src.name}:{lineno}: {item}", src.name))
-                elif is_step(item):
-                    self._steps.append(item)  # validation wrote a conversation's steps together, in step order
-                else:
-                    completions.append(item)
-            built = _build_batch(completions, self.chat, self.enable_thinking, self.mode)
-            for c, result in zip(completions, built, strict=True):
-                if isinstance(result, RowRejected):
-                    self._reject(
-                        Reject(
-                            "tokenize",
-                            result.reason,
-                            result.detail,
-                            c.source,
-                            c.row,
-                            c.prompt_id,
-                            len(c.output_ids),
-                            location=c.location,
-                        )
+        """Tokenize one accepted-completions JSONL file (validation wrote each conversation's lines together)."""
+        path = Path(path)
+        batch = self._rows.batch(self)
+        pending: list[list[Completion]] = []  # conversations read and not yet built
+        read = 0  # items read since the last build (a malformed line counts as one)
+        for item in iter_conversations(iter_jsonl_completions(path), self.turns):
+            if isinstance(item, tuple):
+                lineno, err = item
+                self._reject(Reject("tokenize", "malformed_record", f"{path.name}:{lineno}: {err}", path.name))
+            else:
+                pending.append(item)
+            read += 1
+            if read >= batch:
+                self._rows.build(self, pending)
+                pending, read = [], 0
+        if pending:
+            self._rows.build(self, pending)
+
+    def _one_row_each(self, conversations: list[list[Completion]]) -> None:
+        """Build `last` conversations, one row each (their one line), together in the tokenization mode."""
+        completions = [c for (c,) in conversations]
+        rows: list[TokenRow] = []
+        built = _build_batch(completions, self.chat, self.enable_thinking, self.mode)
+        for c, result in zip(completions, built, strict=True):
+            if isinstance(result, RowRejected):
+                self._reject(
+                    Reject(
+                        "tokenize",
+                        result.reason,
+                        result.detail,
+                        c.source,
+                        c.row,
+                        c.prompt_id,
+                        len(c.output_ids),
+                        location=c.location,
                     )
-                else:
-                    rows.append(result)
-                    self._conversations.write(conversation_record(c, self.enable_thinking))
-            self._write_rows(rows)
-        if self._steps:
-            self._add_conversation()
+                )
+            else:
+                rows.append(result)
+                self._conversations.write(conversation_record(c, self.enable_thinking))
+        self._write_rows(rows)
 
     def _write_rows(self, rows: list[TokenRow]) -> None:
         summary = self.summary
@@ -590,22 +592,22 @@ class StreamingTokenizer:
             cat = row.category or NO_CATEGORY
             summary.rows_by_category[cat] = summary.rows_by_category.get(cat, 0) + 1
 
-    def _add_conversation(self) -> None:
-        """Tokenize the every-turn conversation gathered so far: its segment rows and one published line.
+    def _segment_rows(self, conversations: list[list[Completion]]) -> None:
+        """Tokenize every-turn conversations, each as it is read: its segment rows and one published line.
 
         Always token-exact (`rerender` applies to `last` rows only): a continuing step's prompt is what the server
         was sent, ids the model generated included, which a re-tokenized rendering need not reproduce.
         """
-        steps, self._steps = self._steps, []
-        built = build_conversation_rows(steps, self.chat, self.enable_thinking)
-        for r in built.rejects:
-            self._reject(r)
-        if built.rows:
-            self._write_rows(built.rows)
-            self._conversations.write(steps_record(built.kept_steps, self.enable_thinking, built.outcome))
-            self.summary.conversations += 1
-            self.summary.turns += len(built.rows)
-            self.summary.steps += len(built.kept_steps)
+        for steps in conversations:
+            built = build_conversation_rows(steps, self.chat, self.enable_thinking)
+            for r in built.rejects:
+                self._reject(r)
+            if built.rows:
+                self._write_rows(built.rows)
+                self._conversations.write(steps_record(built.kept_steps, self.enable_thinking, built.outcome))
+                self.summary.conversations += 1
+                self.summary.turns += len(built.rows)
+                self.summary.steps += len(built.kept_steps)
 
     def close(self) -> TokenizationSummary:
         """Close the parquet parts, give them their final `-of-N` names and return what was written."""
@@ -625,6 +627,22 @@ class StreamingTokenizer:
         return summary
 
 
+@dataclass(frozen=True)
+class _RowPolicy:
+    """How a turn mode's conversations become rows: how many are built together, and the build."""
+
+    batch: Callable[[StreamingTokenizer], int]
+    build: Callable[[StreamingTokenizer, list[list[Completion]]], None]
+
+
+# By turn mode (StreamingTokenizer's docstring). Every turn builds each conversation as it is read, so its rows and
+# rejects keep the file's order.
+_ROWS: dict[str, _RowPolicy] = {
+    "last": _RowPolicy(lambda t: t.batch_size, StreamingTokenizer._one_row_each),
+    "every": _RowPolicy(lambda t: 1, StreamingTokenizer._segment_rows),
+}
+
+
 def tokenize_accepted(
     accepted_paths: Sequence[Path],
     staging_dir: Path,
@@ -634,13 +652,15 @@ def tokenize_accepted(
     mode: TokenizationMode = "token_exact",
     extra_reject_paths: Sequence[Path] = (),
     batch_size: int = 256,
+    *,
+    turns: TurnMode,
 ) -> TokenizationSummary:
     """Write training parquet shards and one rejects dataset into `staging_dir`; return what was written.
 
     `extra_reject_paths` are reject JSONL files of earlier stages (load, generate, validate) merged into
     the rejects dataset. Existing `data/train-*.parquet` and `rejects/rejects-*.parquet` are replaced.
     """
-    tokenizer = StreamingTokenizer(staging_dir, chat, enable_thinking, rows_per_file, mode, batch_size)
+    tokenizer = StreamingTokenizer(staging_dir, chat, enable_thinking, rows_per_file, mode, batch_size, turns=turns)
     for path in extra_reject_paths:
         tokenizer.add_rejects(Path(path))
     for path in accepted_paths:

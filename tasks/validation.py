@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -33,10 +33,10 @@ from datagen.conversation.segments import (
     MISSING_STEP,
     cut_outcome,
     ending_verdict,
-    is_step,
     segments,
     where,
 )
+from datagen.conversation.turn_mode import TurnMode
 from datagen.records import Completion, Reject
 from datagen.runspec import ValidationSpec
 
@@ -46,6 +46,7 @@ __all__ = [
     "MalformedRecord",
     "ShardValidator",
     "count_reject_reasons",
+    "iter_conversations",
     "iter_in_plan_order",
     "iter_jsonl_completions",
     "shard_stem",
@@ -112,36 +113,60 @@ def iter_jsonl_completions(path: Path) -> Iterator[tuple[int, Completion | Malfo
 # The plan position generation records in `meta`; a key of the record, never text inside a JSON string
 # (where its quotes would be escaped).
 _PLAN_INDEX_RE = re.compile(r'[{,] ?"plan_index": ?(\d+)')
-# Every-turn lines: the conversation (the record's first key) and the step (written with its turn, both only in
-# every mode), read the same way.
+# The conversation (the record's first key) and the request key (the field after `messages`), read the same way;
+# the turn mode reads a line's step from its request key.
 _PROMPT_ID_RE = re.compile(r'^\{"prompt_id": ?"((?:[^"\\]|\\.)*)"')
-_STEP_RE = re.compile(r'[{,] ?"step": ?(\d+), ?"turn_index": ?\d+')
+_REQUEST_KEY_RE = re.compile(r'\], ?"request_key": ?"((?:[^"\\]|\\.)*)", ?"prompt_tokens": ?\d')
 _NO_POSITION = 1 << 62
 
 
-def iter_in_plan_order(path: Path) -> Iterator[tuple[int, Completion | MalformedRecord]]:
+def iter_in_plan_order(path: Path, turns: TurnMode) -> Iterator[tuple[int, Completion | MalformedRecord]]:
     """Like iter_jsonl_completions, but in the shard's plan order (meta.plan_index), not the order they finished.
 
     Two passes over the file: offsets and plan positions first (a few bytes per line), then the lines in
-    order; lines without a plan position keep their file order after the others. Every-turn lines (with a
-    `step`) come together per conversation, in step order, at the conversation's first plan position.
+    order; lines without a plan position keep their file order after the others. The steps of a conversation
+    (those `turns` gives a step: every-turn lines) come together, in step order, at the conversation's first plan
+    position.
     """
     index: list[tuple[int, str, int, int, int, int]] = []  # (position, conversation, step, line, offset, length)
-    first: dict[str, int] = {}  # conversation -> its lowest plan position (every-turn lines only)
+    first: dict[str, int] = {}  # conversation -> its lowest plan position (lines with a step only)
     for line in read_lines(path):
         found = _PLAN_INDEX_RE.findall(line.text)
         position = int(found[-1]) if found else _NO_POSITION
-        step = _STEP_RE.findall(line.text)
-        conversation = _PROMPT_ID_RE.match(line.text) if step else None
-        key = conversation.group(1) if conversation else ""
+        request_key = _REQUEST_KEY_RE.search(line.text)
+        step = None if request_key is None else turns.plan_step(request_key.group(1))
+        conversation = _PROMPT_ID_RE.match(line.text) if step is not None else None
+        key, order = (conversation.group(1), step) if conversation and step is not None else ("", -1)
         if key:
             first[key] = min(first.get(key, position), position)
-        index.append((position, key, int(step[-1]) if key else -1, line.lineno, line.offset, line.length))
+        index.append((position, key, order, line.lineno, line.offset, line.length))
     index.sort(key=lambda e: (first.get(e[1], e[0]), *e[1:]))
     with path.open("rb") as f:
         for *_, lineno, start, size in index:
             f.seek(start)
             yield _judge(CheckpointLine(lineno, start, size, f.read(size)[:-1].decode("utf-8")))
+
+
+def iter_conversations(
+    items: Iterable[tuple[int, Completion | MalformedRecord]], turns: TurnMode
+) -> Iterator[list[Completion] | tuple[int, MalformedRecord]]:
+    """A shard's lines as the conversations `turns` gathers them (consecutive lines of one conversation, e.g. every
+    turn's steps of a prompt; else one line each), each malformed line on its own as (line number, error)."""
+    group: list[Completion] = []
+    of = turns.conversation_of
+    for lineno, item in items:
+        key = None if isinstance(item, MalformedRecord) else of(item)
+        if group and (key is None or key != of(group[0])):
+            yield group
+            group = []
+        if isinstance(item, MalformedRecord):
+            yield lineno, item
+        elif key is None:
+            yield [item]
+        else:
+            group.append(item)
+    if group:
+        yield group
 
 
 def count_reject_reasons(paths: list[Path]) -> dict[str, int]:
@@ -208,18 +233,30 @@ class ShardValidator:
 
     The streaming form of `validate_shards`: the flow feeds each shard once it and every shard before it in
     plan order is generated, so "first copy kept" stays the same as a single pass over all shards.
+
+    The unit judged is a conversation, as the run's turn mode gathers a shard's lines (`iter_conversations`); how
+    one is judged is the mode's (`_JUDGES`): a `last` conversation is its one line, accepted or rejected; an
+    every-turn conversation is judged step by step and cut at its first failing step.
     """
 
     def __init__(
-        self, out_dir: Path, spec: ValidationSpec, enable_thinking: bool, words: np.ndarray | None = None
+        self,
+        out_dir: Path,
+        spec: ValidationSpec,
+        enable_thinking: bool,
+        words: np.ndarray | None = None,
+        *,
+        turns: TurnMode,
     ) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         self.out_dir = out_dir
         self.words = words  # word tokens of the vocabulary (datagen.checks.repetition.word_tokens): structure vs loops
         self.spec = spec
         self.enable_thinking = enable_thinking
+        self.turns = turns
+        self._judge = _JUDGES[turns.name]
         self._builder = SummaryBuilder()
-        self._duplicates = DuplicateIndex()
+        self._duplicates = DuplicateIndex(steps=turns.continues)
         self._stems: set[str] = set()
 
     @property
@@ -234,47 +271,40 @@ class ShardValidator:
         if stem in self._stems:
             raise ValueError(f"two input shards map to the same output name: {stem} ({path})")
         self._stems.add(stem)
-        builder, duplicates, spec = self._builder, self._duplicates, self.spec
+        builder = self._builder
         accepted_path = self.out_dir / f"{stem}.accepted.jsonl"
         rejects_path = self.out_dir / f"{stem}.rejects.jsonl"
         with _atomic_text(accepted_path) as acc, _atomic_text(rejects_path) as rej:
             # Plan order, whatever finished first: the copy kept of a duplicate is the one planned first.
-            conversation: list[Completion] = []  # every-turn steps of one conversation, in step order
-            for lineno, item in iter_in_plan_order(path):
-                if conversation and (
-                    isinstance(item, MalformedRecord)
-                    or item.prompt_id != conversation[0].prompt_id
-                    or not is_step(item)
-                ):
-                    self._conversation(conversation, acc, rej)
-                    conversation = []
-                if isinstance(item, MalformedRecord):
-                    r = _malformed(path, lineno, item)
+            for item in iter_conversations(iter_in_plan_order(path, self.turns), self.turns):
+                if isinstance(item, tuple):
+                    r = _malformed(path, *item)
                     builder.reject(r)
                     rej.write(r.to_json() + "\n")
-                    continue
-                if is_step(item):
-                    conversation.append(item)
-                    continue
-                verdict = check_completion(item, spec, self.enable_thinking, self.words)
-                if verdict.accepted:
-                    dup = duplicates.check_and_add(item, spec.reject_duplicate_completions)
-                    if not dup.accepted:
-                        verdict = dup
-                if verdict.accepted:
-                    builder.accept(item, verdict)
-                    acc.write(item.to_json() + "\n")
                 else:
-                    r = _reject(item, verdict)
-                    builder.reject(r)
-                    rej.write(r.to_json() + "\n")
-            if conversation:
-                self._conversation(conversation, acc, rej)
+                    self._judge(self, item, acc, rej)
         builder.summary.accepted_paths.append(str(accepted_path))
         builder.summary.reject_paths.append(str(rejects_path))
         return accepted_path, rejects_path
 
-    def _conversation(self, steps: list[Completion], acc: IO[str], rej: IO[str]) -> None:
+    def _one_line(self, steps: list[Completion], acc: IO[str], rej: IO[str]) -> None:
+        """Judge a `last` conversation: its one line, by the per-sample checks, then as a duplicate."""
+        (c,) = steps
+        spec = self.spec
+        verdict = check_completion(c, spec, self.enable_thinking, self.words)
+        if verdict.accepted:
+            dup = self._duplicates.check_and_add(c, spec.reject_duplicate_completions)
+            if not dup.accepted:
+                verdict = dup
+        if verdict.accepted:
+            self._builder.accept(c, verdict)
+            acc.write(c.to_json() + "\n")
+        else:
+            r = _reject(c, verdict)
+            self._builder.reject(r)
+            rej.write(r.to_json() + "\n")
+
+    def _steps(self, steps: list[Completion], acc: IO[str], rej: IO[str]) -> None:
         """Judge an every-turn conversation step by step; cut it at its first failing step.
 
         The segments (user turns) before the failing one are kept, step by step; the failing segment is one
@@ -320,7 +350,7 @@ class ShardValidator:
             if i + 1 == len(survivors):  # the published conversation ends here, and says why
                 c = replace(c, meta={**c.meta, CUT_META_KEY: cut_outcome(reason)})
             acc.write(c.to_json() + "\n")
-        dropped = [c for c in steps if c.step is not None and (c.turn_index or 0) >= failing_turn]
+        dropped = [c for c in steps if (c.turn_index or 0) >= failing_turn]
         for seg in segments(dropped):
             first = seg.steps[0]
             if seg.turn_index == failing_turn:
@@ -346,12 +376,21 @@ class ShardValidator:
         return summary
 
 
+# How a conversation is judged, by turn mode (ShardValidator's docstring).
+_JUDGES: dict[str, Callable[[ShardValidator, list[Completion], IO[str], IO[str]], None]] = {
+    "last": ShardValidator._one_line,
+    "every": ShardValidator._steps,
+}
+
+
 def validate_shards(
     completion_paths: list[Path],
     out_dir: Path,
     spec: ValidationSpec,
     enable_thinking: bool,
     words: np.ndarray | None = None,
+    *,
+    turns: TurnMode,
 ) -> ValidationSummary:
     """Check every completion; write `<shard>.accepted.jsonl` and `<shard>.rejects.jsonl` per shard into `out_dir`.
 
@@ -361,7 +400,7 @@ def validate_shards(
     stems = [shard_stem(Path(p)) for p in completion_paths]
     if len(set(stems)) != len(stems):
         raise ValueError(f"two input shards map to the same output name: {stems}")
-    validator = ShardValidator(out_dir, spec, enable_thinking, words)
+    validator = ShardValidator(out_dir, spec, enable_thinking, words, turns=turns)
     for path in completion_paths:
         validator.add(Path(path))
     return validator.close()

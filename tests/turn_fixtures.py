@@ -20,6 +20,7 @@ from datagen.chat import IM_END_ID, ChatTokenizer
 from datagen.conversation.export import assistant_turn
 from datagen.conversation.regeneration import is_query
 from datagen.conversation.toolcalls import parse_tool_calls
+from datagen.conversation.turn_mode import EveryTurn
 from datagen.records import Completion, Message, TokenRow
 from datagen.runspec import SamplingSpec, ValidationSpec
 from tasks.tokenization import TokenizationSummary, tokenize_accepted
@@ -328,10 +329,15 @@ def stage_steps(
 
     shard = work / "shard-00000.completions.jsonl"
     shard.write_text("".join(c.to_json() + "\n" for c in steps), encoding="utf-8")
-    summary = validate_shards([shard], work / "validated", spec or ValidationSpec(), True)
+    summary = validate_shards([shard], work / "validated", spec or ValidationSpec(), True, turns=EveryTurn())
     staging = work / "staging"
     tokenized = tokenize_accepted(
-        [Path(p) for p in summary.accepted_paths], staging, chat, True, extra_reject_paths=summary.reject_paths
+        [Path(p) for p in summary.accepted_paths],
+        staging,
+        chat,
+        True,
+        extra_reject_paths=summary.reject_paths,
+        turns=EveryTurn(),
     )
     lineage = Lineage(model_fingerprint=chat.fingerprint, template_hash=chat.template_hash)
     write_dataset_card(

@@ -329,10 +329,11 @@ class DuplicateIndex:
     Every-turn steps are also remembered by their request (the history they were conditioned on): two
     conversations that open the same way send the same request, and a deterministic server (temperature 0) answers
     it the same way. That answer is each conversation's own turn, not a copy: it is kept in both, so neither loses
-    its later, distinct turns.
+    its later, distinct turns. `steps` says which samples these are (the run's turn mode, never the record's shape).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, steps: bool = False) -> None:
+        self.steps = steps  # every-turn steps: remembered by their request too
         self._requests: set[int] = set()
         self._outputs: dict[int, str] = {}
         self._step_requests: dict[int, int] = {}  # output key -> the step request that first produced it
@@ -343,7 +344,7 @@ class DuplicateIndex:
         if rkey in self._requests:
             return Verdict("duplicate_request", f"request key {c.request_key} was already accepted")
         okey = _hash64(array("i", c.output_ids).tobytes())
-        request = _step_request(c)
+        request = _step_request(c) if self.steps else None
         if reject_duplicate_completions:
             first = self._outputs.get(okey)
             same_request = request is not None and self._step_requests.get(okey) == request
@@ -356,10 +357,8 @@ class DuplicateIndex:
         return Verdict(None)
 
 
-def _step_request(c: Completion) -> int | None:
-    """An every-turn step's request, hashed: the history it was sent with (and its bridge); None in `last` mode."""
-    if c.step is None:
-        return None
+def _step_request(c: Completion) -> int:
+    """An every-turn step's request, hashed: the history it was sent with (and its bridge)."""
     history = [m.to_dict() for m in c.messages]
     body = json.dumps([history, c.bridge_ids, c.tools], sort_keys=True, ensure_ascii=False)
     return _hash64(body.encode("utf-8", "surrogatepass"))

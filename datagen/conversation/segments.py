@@ -21,7 +21,6 @@ __all__ = [
     "conversations",
     "cut_outcome",
     "ending_verdict",
-    "is_step",
     "segments",
     "where",
 ]
@@ -38,11 +37,6 @@ CUT_META_KEY = "conversation_cut"
 def cut_outcome(reason: str) -> str:
     """The outcome of a conversation cut for `reason` (docs/conversations.md's outcome names)."""
     return "truncated" if reason == "truncated" else f"{_REJECTED_PREFIX}{reason}"
-
-
-def is_step(c: Completion) -> bool:
-    """An every-turn checkpoint line (a `last`-mode line has no step)."""
-    return c.step is not None
 
 
 @dataclass(frozen=True, slots=True)

@@ -136,6 +136,16 @@ class TurnMode(ABC):
     def reject_detail(self, conv: Conversation, step: int, detail: str) -> str:
         """The detail of the reject row that ends a conversation at `step`."""
 
+    @abstractmethod
+    def conversation_of(self, c: Completion) -> str | None:
+        """The conversation a checkpoint line is gathered into with the lines of its other steps (validation,
+        tokenization); None: the line is a conversation of one step on its own."""
+
+    @abstractmethod
+    def plan_step(self, request_key: str) -> int | None:
+        """The step a checkpoint line with this request key takes in its conversation, to order a shard's lines
+        (tasks/validation.py); None: the line is ordered on its own, by its plan position."""
+
     @property
     def holds_place_until_open(self) -> bool:
         """The shard keeps its plan-order reservation until every conversation is open (else: its first step)."""
@@ -199,6 +209,12 @@ class LastTurn(TurnMode):
     def step_tail(self, completions: Sequence[Path], rejects: Sequence[Path], planned: int) -> StepTail | None:
         return None
 
+    def conversation_of(self, c: Completion) -> str | None:
+        return None  # the recorded conversation's one generated reply
+
+    def plan_step(self, request_key: str) -> int | None:
+        return None
+
 
 class EveryTurn(TurnMode):
     """`turns: every`: every assistant turn is generated in order, conditioned on the model's own earlier ones."""
@@ -248,6 +264,14 @@ class EveryTurn(TurnMode):
 
     def step_tail(self, completions: Sequence[Path], rejects: Sequence[Path], planned: int) -> StepTail | None:
         return StepTail(completions, rejects, planned=planned)
+
+    def conversation_of(self, c: Completion) -> str | None:
+        # A line whose key this mode never writes (e.g. left by a `last` run) stands alone, never cutting another.
+        return c.prompt_id if split_step_key(c.request_key) is not None else None
+
+    def plan_step(self, request_key: str) -> int | None:
+        split = split_step_key(request_key)
+        return None if split is None else split[1]
 
 
 _MODES: dict[str, TurnMode] = {"last": LastTurn(), "every": EveryTurn()}

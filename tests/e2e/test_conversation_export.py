@@ -12,6 +12,7 @@ import yaml
 
 from datagen.chat import ChatTokenizer
 from datagen.conversation.export import ConversationWriter, conversation_record, split_reasoning
+from datagen.conversation.turn_mode import turn_mode
 from datagen.publishing.storage import ObjectExists, ObjectStore
 from datagen.records import Completion, Message, ToolCall
 from tasks.publishing import CLAIM_NAME, publish
@@ -150,7 +151,7 @@ def _restage(published_run: PublishedRun, staging: Path) -> Path:
     accepted = sorted((layout_root / "validated").glob("*accepted*.jsonl"))
     assert accepted, f"no accepted completions under {layout_root / 'validated'}"
     chat = ChatTokenizer.from_model_dir(published_run.model_dir)
-    tokenize_accepted(accepted, staging, chat, enable_thinking=True)
+    tokenize_accepted(accepted, staging, chat, enable_thinking=True, turns=turn_mode(published_run.spec))
     return staging
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from datagen.chat import ChatTokenizer
 from datagen.checks.quality import ValidationSummary
+from datagen.conversation.turn_mode import LastTurn
 from datagen.engine.client import sampling_params_for
 from datagen.engine.dispatcher import Dispatcher, GenerateJob
 from datagen.layout import RunLayout
@@ -253,7 +254,16 @@ def _hand_case(tmp_path: Path) -> tuple[RunLayout, ShardPlan, PilotPopulation, V
 
 def test_projection_of_a_hand_computed_case_at_the_pilots_whole_run_rate(tmp_path: Path) -> None:
     layout, plan, population, summary = _hand_case(tmp_path)
-    p = project(layout, plan, population, summary, {"aggregate_tokens_per_s": 100.0, "servers": 2}, 4, PilotSpec())
+    p = project(
+        layout,
+        plan,
+        population,
+        summary,
+        {"aggregate_tokens_per_s": 100.0, "servers": 2},
+        4,
+        PilotSpec(),
+        turns=LastTurn(),
+    )
     # a: 100 tokens over 5 sampled = 20 per prompt -> 2,000; accept 4/5; rows of 5+25 tokens on average = 30.
     # b: 300 tokens over 2 = 150 per prompt -> 7,500; accept 1/2 (validation); rows of 10+150 = 160.
     out, pr = p.output_tokens, p.projection
@@ -279,7 +289,7 @@ def test_projection_of_a_hand_computed_case_with_the_decode_model(tmp_path: Path
         "aggregate_tokens_per_s": 100.0, "servers": 1, "step_base_s": 0.01, "step_per_req_s": 0.0,
         "slots_per_server": 1, "ramp_s": 2.0,
     }  # fmt: skip
-    p = project(layout, plan, population, summary, throughput, 1, PilotSpec())
+    p = project(layout, plan, population, summary, throughput, 1, PilotSpec(), turns=LastTurn())
     pr = p.projection
     # Completing prompts of the full set: a 100 x 4/5 = 80 (each sample 20 times: 2,000 tokens), b 50 (7,500).
     assert pr["wall_s"] == pytest.approx(2.0 + 95.0) and pr["wall_s_source"] == pytest.approx(2.0 + 95.0)

@@ -18,6 +18,7 @@ import pytest
 
 from datagen.chat import ChatTokenizer
 from datagen.checks.quality import ValidationSummary
+from datagen.conversation.turn_mode import turn_mode
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.endpoints import ServerEndpoint
 from datagen.layout import RunLayout
@@ -96,7 +97,9 @@ def test_the_pilots_projection_is_within_5_percent_of_the_measured_run(
             "aggregate_tokens_per_s": SLOTS / (STEP_MS / 1000), "servers": 1, "slots_per_server": SLOTS,
             "step_base_s": STEP_MS / 1000, "step_per_req_s": 0.0, "ramp_s": 0.0, "method": "known",
         }  # fmt: skip
-        projection = project(pilot_layout, plan, population, ValidationSummary(), throughput, 1, pilot_spec)
+        projection = project(
+            pilot_layout, plan, population, ValidationSummary(), throughput, 1, pilot_spec, turns=turn_mode(spec)
+        )
         write_projection(pilot_layout, projection)  # the main run's driver ranks by it (`pilot_step_tokens`)
 
         # The main run: planned long-first by the pilot's length model, nothing imported from the pilot.

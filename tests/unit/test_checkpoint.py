@@ -24,6 +24,7 @@ from datagen.checkpoint import (
     summarize,
 )
 from datagen.checks.quality import ValidationSummary
+from datagen.conversation.turn_mode import LastTurn
 from datagen.conversation.turn_stats import StepTail
 from datagen.identity import RequestKeys, prompt_id_from_messages
 from datagen.layout import RunLayout
@@ -96,12 +97,17 @@ def test_validation_and_tokenization_readers_skip_a_torn_tail(tmp_path: Path) ->
     items = list(iter_jsonl_completions(completions))
     assert [(n, c.row) for n, c in items if isinstance(c, ValidatedCompletion)] == [(1, 2), (2, 0)]
     assert len(items) == 2  # before: the torn half line became a malformed_record reject of a request never settled
-    assert [c.row for _, c in iter_in_plan_order(completions) if isinstance(c, ValidatedCompletion)] == [0, 2]
+    assert [c.row for _, c in iter_in_plan_order(completions, LastTurn()) if isinstance(c, ValidatedCompletion)] == [
+        0,
+        2,
+    ]
     assert report.completion_lengths([completions]) == [5, 3]
 
     rejects = torn(tmp_path / "shard-00000.rejects.jsonl", [reject(i).to_json() for i in range(3)])
     assert count_reject_reasons([rejects]) == {"generate/server_rejected": 2}
-    tokenizer = StreamingTokenizer(tmp_path / "staging", ChatTokenizer.shared(ensure_model_dir()), True)
+    tokenizer = StreamingTokenizer(
+        tmp_path / "staging", ChatTokenizer.shared(ensure_model_dir()), True, turns=LastTurn()
+    )
     tokenizer.add_rejects(rejects)
     assert tokenizer.close().rejects_by_reason == {"generate/server_rejected": 2}
 
@@ -113,7 +119,7 @@ def test_pilot_projection_skips_a_torn_tail(tmp_path: Path) -> None:
     plan = ShardPlan.model_construct(shard_ids=[0])
     population = PilotPopulation(population_by_source={"s": 3}, sample_by_source={"s": 3}, selection=SelectionReport())
     throughput = {"aggregate_tokens_per_s": 100.0, "servers": 1}
-    projection = project(layout, plan, population, ValidationSummary(), throughput, 1, PilotSpec())
+    projection = project(layout, plan, population, ValidationSummary(), throughput, 1, PilotSpec(), turns=LastTurn())
     # Two completions (3 and 4 tokens) and one generation reject were committed; the torn halves are not rows.
     assert projection.output_tokens["pilot_total"] == 7
     assert projection.output_tokens["by_source"]["s"]["sampled"] == 3
@@ -240,6 +246,8 @@ def test_a_reject_line_that_is_not_json_is_named_by_every_reject_reader(tmp_path
     rejects.write_text(reject(0).to_json() + "\nnot json\n", encoding="utf-8")
     with pytest.raises(CheckpointError, match=r"rejects\.jsonl:2: not a JSON object"):
         count_reject_reasons([rejects])
-    tokenizer = StreamingTokenizer(tmp_path / "staging", ChatTokenizer.shared(ensure_model_dir()), True)
+    tokenizer = StreamingTokenizer(
+        tmp_path / "staging", ChatTokenizer.shared(ensure_model_dir()), True, turns=LastTurn()
+    )
     with pytest.raises(CheckpointError, match=r"rejects\.jsonl:2: not a JSON object"):
         tokenizer.add_rejects(rejects)

@@ -12,6 +12,7 @@ import pytest
 from datagen.chat import ChatTokenizer
 from datagen.checkpoint import settled_keys
 from datagen.checks.quality import ValidationSummary
+from datagen.conversation.turn_mode import EveryTurn
 from datagen.identity import RequestKeys
 from datagen.layout import RunLayout
 from datagen.local.model_fixture import ensure_model_dir
@@ -121,6 +122,7 @@ def test_every_turn_projection_of_a_hand_computed_case(tmp_path: Path) -> None:
         {"aggregate_tokens_per_s": 100.0, "servers": 2, "method": "whole_run"},
         4,
         PilotSpec(),
+        turns=EveryTurn(),
     )
     out, pr, conv = p.output_tokens, p.projection, p.conversations
     assert conv is not None
@@ -155,7 +157,7 @@ def test_the_decode_simulation_with_one_slot_runs_every_step_one_after_another(t
         "aggregate_tokens_per_s": 100.0, "servers": 1, "step_base_s": 0.01, "step_per_req_s": 0.0,
         "slots_per_server": 1, "ramp_s": 0.0,
     }  # fmt: skip
-    p = project(layout, plan, population, summary, throughput, 1, PilotSpec())
+    p = project(layout, plan, population, summary, throughput, 1, PilotSpec(), turns=EveryTurn())
     # One slot, 10 ms a token: the steps of a's 100 conversations (60 and 40 tokens, 50 of each) and of b's 25
     # that produce output (84 tokens each): 7,100 tokens one after another.
     assert p.projection["wall_s"] == pytest.approx(71.0)
@@ -274,7 +276,7 @@ def test_the_every_turn_wall_is_simulated_on_chains_ranked_by_expected_work_left
         "aggregate_tokens_per_s": 2.0, "servers": 1, "step_base_s": 1.0, "step_per_req_s": 0.0,
         "slots_per_server": 2, "ramp_s": 0.5, "method": "saturated",
     }  # fmt: skip
-    p = project(layout, plan, population, ValidationSummary(), throughput, 1, PilotSpec())
+    p = project(layout, plan, population, ValidationSummary(), throughput, 1, PilotSpec(), turns=EveryTurn())
     pr = p.projection
     # The step model (the driver's rank) expects a's two steps (category long: 10 and 10 tokens measured) above
     # b and c (short: 12), and a's second step below them: t=0 a's turn 0 and b start; t=10 a's turn 1 is ready
@@ -399,7 +401,7 @@ def test_the_driver_and_the_projection_take_the_pilots_step_lengths_and_old_pilo
 def test_the_radix_cache_choice_takes_the_pilots_measured_steps_not_the_recordings_count(tmp_path: Path) -> None:
     layout, plan, population, summary = _hand_case(tmp_path)
     throughput = {"aggregate_tokens_per_s": 100.0, "servers": 2, "method": "whole_run"}
-    p = project(layout, plan, population, summary, throughput, 4, PilotSpec(name="p1"))
+    p = project(layout, plan, population, summary, throughput, 4, PilotSpec(name="p1"), turns=EveryTurn())
     # 250 steps projected for 150 conversations (user turns and tool rounds: each extends the one before).
     turns, source = plan_turns(p, 3.0)
     assert turns == 1.667

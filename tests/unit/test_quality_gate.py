@@ -15,6 +15,7 @@ from datagen.checks.quality import (
     check_quality_gate,
     render_validation_report,
 )
+from datagen.conversation.turn_mode import LastTurn
 from datagen.identity import prompt_id_from_messages
 from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Completion
@@ -100,13 +101,13 @@ def _placeholder_shard(chat: ChatTokenizer, path: Path, n: int, n_real: int) -> 
 def test_placeholder_set_through_validation_trips_the_gate_either_way(chat: ChatTokenizer, tmp_path: Path) -> None:
     shard = _placeholder_shard(chat, tmp_path / "shard-00000.completions.jsonl", 100, 13)
     # Default spec: the placeholders are rejected one by one, and the reject rate stops the run.
-    strict = validate_shards([shard], tmp_path / "strict", ValidationSpec(), enable_thinking=False)
+    strict = validate_shards([shard], tmp_path / "strict", ValidationSpec(), enable_thinking=False, turns=LastTurn())
     report = check_quality_gate(strict, GATE)
     assert [c.name for c in report.failures] == ["reject_rate"]
     assert "validate/placeholder=87 (87.0%)" in report.text
     # Identical placeholders are also duplicates; with both per-sample checks off the distribution still stops it.
     lax_spec = ValidationSpec(min_answer_tokens=0, reject_duplicate_completions=False)
-    lax = validate_shards([shard], tmp_path / "lax", lax_spec, enable_thinking=False)
+    lax = validate_shards([shard], tmp_path / "lax", lax_spec, enable_thinking=False, turns=LastTurn())
     assert lax.accepted == 100
     report = check_quality_gate(lax, GATE)
     assert {c.name for c in report.failures} == {"short_share", "median_completion_tokens"}
@@ -200,7 +201,7 @@ def test_empty_dataset_fails() -> None:
 def test_report_gives_each_reasons_share_and_a_few_examples(chat: ChatTokenizer, tmp_path: Path) -> None:
     # Issue 13.4: the report shows the share of each reason and up to three example rows per reason.
     shard = _placeholder_shard(chat, tmp_path / "shard-00000.completions.jsonl", 20, 15)
-    summary = validate_shards([shard], tmp_path / "out", ValidationSpec(), enable_thinking=False)
+    summary = validate_shards([shard], tmp_path / "out", ValidationSpec(), enable_thinking=False, turns=LastTurn())
     assert summary.reject_reasons == {"placeholder": 5}
     assert len(summary.reject_samples["placeholder"]) == 3
     md = render_validation_report(summary)

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from datagen.chat import IM_END_ID, THINK_END_ID, ChatTokenizer, TemplateError
+from datagen.conversation.turn_mode import LastTurn
 from datagen.identity import prompt_id_from_messages
 from datagen.local.model_fixture import ensure_model_dir
 from datagen.publishing.dataset_card import DatasetSizes, Lineage, arrow_features_yaml, write_dataset_card
@@ -213,6 +214,7 @@ def staged(chat: ChatTokenizer, tmp_path: Path) -> tuple[Path, list[Completion]]
         rows_per_file=2,
         extra_reject_paths=[upstream, tmp_path / "absent.jsonl"],
         batch_size=2,
+        turns=LastTurn(),
     )
     assert summary.rows == 5
     assert summary.data_files == [f"data/train-{i:05d}-of-00003.parquet" for i in range(3)]
@@ -288,8 +290,8 @@ def test_arrow_features_yaml_rejects_unknown_types() -> None:
 def test_rerender_mode_end_to_end_writes_same_rows_for_canonical_data(chat: ChatTokenizer, tmp_path: Path) -> None:
     completions = [make(chat, CONVERSATIONS[k], True) for k in sorted(CONVERSATIONS)]
     shard = _jsonl(tmp_path / "a.jsonl", [c.to_json() for c in completions])
-    exact = tokenize_accepted([shard], tmp_path / "exact", chat, True)
-    rer = tokenize_accepted([shard], tmp_path / "rer", chat, True, mode="rerender")
+    exact = tokenize_accepted([shard], tmp_path / "exact", chat, True, turns=LastTurn())
+    rer = tokenize_accepted([shard], tmp_path / "rer", chat, True, mode="rerender", turns=LastTurn())
     assert (exact.rows, rer.rows, rer.mode) == (3, 3, "rerender")
     a = pq.read_table(tmp_path / "exact" / exact.data_files[0]).select(["input_ids", "loss_mask"])
     b = pq.read_table(tmp_path / "rer" / rer.data_files[0]).select(["input_ids", "loss_mask"])

@@ -17,6 +17,7 @@ from datagen.checks.quality import (
     render_validation_report,
     repeated_ngram_share,
 )
+from datagen.conversation.turn_mode import LastTurn
 from datagen.identity import prompt_id_from_messages
 from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Completion, Reject
@@ -309,7 +310,7 @@ def test_validate_shards_accounts_for_every_line(chat: ChatTokenizer, tmp_path: 
         [good[2].to_json(), "{not json", json.dumps({"source": "x", "row": 3}), dup.to_json(), "", good[3].to_json()],
     )
     out = tmp_path / "validated"
-    summary = validate_shards([shard0, shard1], out, SPEC, enable_thinking=True)
+    summary = validate_shards([shard0, shard1], out, SPEC, enable_thinking=True, turns=LastTurn())
 
     assert (summary.total, summary.accepted, summary.rejected) == (8, 4, 4)
     assert summary.reject_reasons == {"placeholder": 1, "malformed_record": 2, "duplicate_completion": 1}
@@ -339,7 +340,7 @@ def test_validation_rejects_name_the_input_file_and_line(chat: ChatTokenizer, tm
     bad = make(chat, "OK.", question="loc")
     bad.location = "/data/prompts/set.jsonl:17"
     shard = _write(tmp_path / "shard-00000.completions.jsonl", [bad.to_json()])
-    summary = validate_shards([shard], tmp_path / "out", SPEC, enable_thinking=True)
+    summary = validate_shards([shard], tmp_path / "out", SPEC, enable_thinking=True, turns=LastTurn())
     [reject] = [Reject.from_json(line) for line in Path(summary.reject_paths[0]).read_text().splitlines()]
     assert (reject.reason, reject.location) == ("placeholder", "/data/prompts/set.jsonl:17")
     assert summary.reject_samples["placeholder"][0].startswith("/data/prompts/set.jsonl:17 (prompt ")
@@ -354,7 +355,7 @@ def test_duplicates_keep_the_copy_earlier_in_plan_order_whatever_finished_first(
     other = make(chat, thinking_text(answer=f"{ANSWER} Other."), question="planned third")
     other.meta = {"plan_index": 2}
     shard = _write(tmp_path / "shard-00000.completions.jsonl", [other.to_json(), late.to_json(), early.to_json()])
-    summary = validate_shards([shard], tmp_path / "out", SPEC, enable_thinking=True)
+    summary = validate_shards([shard], tmp_path / "out", SPEC, enable_thinking=True, turns=LastTurn())
     accepted = [Completion.from_json(line) for line in Path(summary.accepted_paths[0]).read_text().splitlines()]
     assert [c.prompt_id for c in accepted] == [early.prompt_id, other.prompt_id]  # plan order
     [dup] = [Reject.from_json(line) for line in Path(summary.reject_paths[0]).read_text().splitlines()]
@@ -367,4 +368,4 @@ def test_validate_shards_rejects_colliding_output_names(tmp_path: Path) -> None:
     a = _write(tmp_path / "a" / "shard-00000.completions.jsonl", [])
     b = _write(tmp_path / "shard-00000.completions.jsonl", [])
     with pytest.raises(ValueError, match="same output name"):
-        validate_shards([a, b], tmp_path / "out", SPEC, enable_thinking=True)
+        validate_shards([a, b], tmp_path / "out", SPEC, enable_thinking=True, turns=LastTurn())
