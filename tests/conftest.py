@@ -26,22 +26,19 @@ os.environ.setdefault(
 # process runs a long file alone while the others are idle. A file not named here keeps its place after them.
 # Serial runs are unaffected in what they test; only the order changes.
 LONG_FILES_FIRST = (
+    "tests/e2e/test_multi_box.py",  # both turn modes' multi-box runs, one after the other
     "tests/e2e/test_prefect_deploy.py",
     "tests/e2e/test_publish_resume.py",
-    "tests/e2e/test_multi_box_every.py",
-    "tests/e2e/test_multi_box.py",
     "tests/e2e/test_ui_browser.py",
     "tests/e2e/test_crash_resume.py",
     "tests/e2e/test_generation.py",
     "tests/e2e/test_security_prefect.py",
+    "tests/e2e/test_flow_e2e.py",
     "tests/e2e/test_cli_errors.py",
-    "tests/e2e/test_flow_turns_e2e.py",
     "tests/e2e/test_provisioning.py",
     "tests/e2e/test_pilot.py",
     "tests/e2e/test_flow_bad_input.py",
-    "tests/e2e/test_generation_every.py",
     "tests/e2e/test_expansion.py",
-    "tests/e2e/test_flow_e2e.py",
     "tests/e2e/test_serving.py",
     "tests/e2e/test_conversation_export.py",
 )
