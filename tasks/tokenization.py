@@ -98,26 +98,39 @@ def _num_turns(messages: list[Message]) -> int:
     return max(1, sum(1 for m in messages if m.role == "user"))
 
 
-def _row(c: Completion, input_ids: list[int], loss_mask: list[int], prompt_tokens: int) -> TokenRow:
+def _token_row(
+    first: Completion,
+    input_ids: list[int],
+    loss_mask: list[int],
+    prompt_tokens: int,
+    turn_index: int,
+    span_finish_reasons: list[str],
+) -> TokenRow:
+    """The training row answering user turn `turn_index` of `first`'s conversation: one loss span per generated
+    assistant message, each ending as its `span_finish_reasons` entry says (the row's finish reason: the last)."""
     return TokenRow(
-        prompt_id=c.prompt_id,
-        source=c.source,
+        prompt_id=first.prompt_id,
+        source=first.source,
         input_ids=input_ids,
         loss_mask=loss_mask,
         prompt_tokens=prompt_tokens,
         completion_tokens=len(input_ids) - prompt_tokens,
-        finish_reason=c.finish_reason,
-        request_key=c.request_key,
-        category=c.category,
-        num_turns=_num_turns(c.messages),
-        normalized=c.normalized,
-        # Single-turn mode: the conversation is the prompt plus this one generated turn, so the row answers
-        # the last user turn with one loss span (the completion) ending as the server said.
-        conversation_id=c.prompt_id,
-        turn_index=_num_turns(c.messages) - 1,
-        num_loss_spans=1,
-        span_finish_reasons=[c.finish_reason],
+        finish_reason=span_finish_reasons[-1],
+        request_key=first.request_key,
+        category=first.category,
+        num_turns=turn_index + 1,
+        normalized=first.normalized,
+        conversation_id=first.prompt_id,
+        turn_index=turn_index,
+        num_loss_spans=len(span_finish_reasons),
+        span_finish_reasons=span_finish_reasons,
     )
+
+
+def _row(c: Completion, input_ids: list[int], loss_mask: list[int], prompt_tokens: int) -> TokenRow:
+    # Single-turn mode: the conversation is the prompt plus this one generated turn, so the row answers the last
+    # user turn with one loss span (the completion) ending as the server said.
+    return _token_row(c, input_ids, loss_mask, prompt_tokens, _num_turns(c.messages) - 1, [c.finish_reason])
 
 
 def _check_token_exact(
@@ -254,25 +267,7 @@ def build_segment_row(
         ids = ids + c.output_ids
         mask = mask + [1] * len(c.output_ids)
         turns.append(assistant_turn(c, enable_thinking))
-    n_prompt = first.prompt_tokens
-    last = seg.steps[-1]
-    row = TokenRow(
-        prompt_id=first.prompt_id,
-        source=first.source,
-        input_ids=ids,
-        loss_mask=mask,
-        prompt_tokens=n_prompt,
-        completion_tokens=len(ids) - n_prompt,
-        finish_reason=last.finish_reason,
-        request_key=first.request_key,
-        category=first.category,
-        num_turns=seg.turn_index + 1,
-        normalized=first.normalized,
-        conversation_id=first.prompt_id,
-        turn_index=seg.turn_index,
-        num_loss_spans=len(seg.steps),
-        span_finish_reasons=[c.finish_reason for c in seg.steps],
-    )
+    row = _token_row(first, ids, mask, first.prompt_tokens, seg.turn_index, [c.finish_reason for c in seg.steps])
     return row, turns
 
 
