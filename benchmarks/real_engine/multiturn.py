@@ -50,6 +50,9 @@ from datagen.engine.memory_plan import (  # noqa: E402
 PHASES = ("radix-balanced", "no-radix-balanced")
 
 
+_GATE: threading.BoundedSemaphore | None = None  # --max-inflight: requests at the server at once, as a client holds
+
+
 def conversation(
     base: str, idx: int, turns: int, user: int, output: int, vocab: int, deadline: float
 ) -> list[dict[str, Any]]:
@@ -63,7 +66,13 @@ def conversation(
         ids = ids + [rng.randrange(1000, vocab - 1000) for _ in range(user)]
         body = {"input_ids": ids, "sampling_params": {"max_new_tokens": output, "ignore_eos": True}}
         sent = time.monotonic()
-        seconds, answer, error = bench._post(base + "/generate", body, max(5.0, deadline - time.time()))
+        if _GATE is not None:
+            _GATE.acquire()
+        try:
+            seconds, answer, error = bench._post(base + "/generate", body, max(5.0, deadline - time.time()))
+        finally:
+            if _GATE is not None:
+                _GATE.release()
         if answer is None:
             out.append({"turn": k, "error": error, "seconds": round(seconds, 3)})
             break
@@ -189,12 +198,19 @@ def main() -> int:
     p.add_argument("--phase", action="append", choices=PHASES, help="default: both, the plan's choice first")
     p.add_argument("--workload-s", type=float, default=150.0, help="each phase's workload stops sending after this")
     p.add_argument("--port", type=int, default=30300)
+    p.add_argument(
+        "--max-inflight",
+        type=int,
+        help="at most this many requests at the server at once (datagen's dispatcher keeps capacity + queue depth)",
+    )
     p.add_argument("--probe", action="store_true", help="before each workload: does the server reuse a prefix at all?")
     p.add_argument("--extra", action="append", default=[], help="NAME=FLAGS: a phase of the radix candidate plus FLAGS")
     p.add_argument("--server-module", default="sglang.launch_server", help="datagen.standin for a rehearsal")
     p.add_argument("--fake-gpu", help="NAME:TOTAL:FREE bytes, for a rehearsal without a GPU")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
+    global _GATE
+    _GATE = threading.BoundedSemaphore(a.max_inflight) if a.max_inflight else None
     config = json.loads((a.model / "config.json").read_text())
     vocab = int(config.get("text_config", config).get("vocab_size", 248320))
     model = ModelShape.from_config(config)
@@ -244,7 +260,13 @@ def main() -> int:
     summary: dict[str, Any] = {
         "gpu": seen,
         "gpu_used_for_plan": calibrated_note,
-        "workload": {"conversations": a.conversations, "turns": t, "user_tokens": u, "output_tokens": o},
+        "workload": {
+            "conversations": a.conversations,
+            "turns": t,
+            "user_tokens": u,
+            "output_tokens": o,
+            "max_inflight": a.max_inflight,
+        },
         "plan": {
             "chosen": plan.chosen,
             "plan_args": plan.plan_args,
