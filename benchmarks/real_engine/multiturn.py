@@ -94,6 +94,13 @@ def conversation(
     return out
 
 
+def _inflight(option: str | None, concurrency: int) -> int | None:
+    """Requests at the server at once: none held back, a number, or 'auto' (the dispatcher's capacity + 4)."""
+    if not option:
+        return None
+    return concurrency + 4 if option == "auto" else int(option)
+
+
 def probe(base: str, vocab: int) -> dict[str, Any]:
     """Does the server reuse a prefix at all? The same prompt twice; then a prompt, its output, and an extension."""
     rng = random.Random(7)
@@ -122,6 +129,16 @@ def probe(base: str, vocab: int) -> dict[str, Any]:
     )
     out["turn_next"] = error or (answer or {}).get("meta_info", {}).get("cached_tokens")
     out["turn_next_history"] = len(nxt) - 200
+    # The plan's prefill term: one fresh 8,192-token prompt, one output token, on an idle server (the first of the
+    # two warms up the kernels for that length; the second is timed).
+    for label in ("prefill_warmup", "prefill"):
+        ids = [rng.randrange(1000, vocab - 1000) for _ in range(8192)]
+        seconds, answer, error = bench._post(
+            base + "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}}, 120
+        )
+        out[f"{label}_8192_s"] = error or round(seconds, 3)
+    if isinstance(out["prefill_8192_s"], float) and out["prefill_8192_s"] > 0:
+        out["prefill_tokens_per_s"] = round(8192 / out["prefill_8192_s"], 1)
     return out
 
 
@@ -200,8 +217,8 @@ def main() -> int:
     p.add_argument("--port", type=int, default=30300)
     p.add_argument(
         "--max-inflight",
-        type=int,
-        help="at most this many requests at the server at once (datagen's dispatcher keeps capacity + queue depth)",
+        help="at most this many requests at the server at once; 'auto': each phase's planned running requests + 4, "
+        "what datagen's dispatcher keeps at a server (capacity + queue depth)",
     )
     p.add_argument("--probe", action="store_true", help="before each workload: does the server reuse a prefix at all?")
     p.add_argument("--extra", action="append", default=[], help="NAME=FLAGS: a phase of the radix candidate plus FLAGS")
@@ -210,7 +227,6 @@ def main() -> int:
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     global _GATE
-    _GATE = threading.BoundedSemaphore(a.max_inflight) if a.max_inflight else None
     config = json.loads((a.model / "config.json").read_text())
     vocab = int(config.get("text_config", config).get("vocab_size", 248320))
     model = ModelShape.from_config(config)
@@ -306,6 +322,9 @@ def main() -> int:
                 record["logged"] = asdict(logged) if logged is not None else None
                 deadline = min(engine_trial.until() - 25, time.time() + a.workload_s)
                 base = f"http://127.0.0.1:{a.port + i}"
+                inflight = _inflight(a.max_inflight, cands.get(name, cands["radix-balanced"]).concurrency)
+                _GATE = threading.BoundedSemaphore(inflight) if inflight else None
+                record["max_inflight"] = inflight
                 if a.probe:
                     record["probe"] = probe(base, vocab)
                     print(f"[{name}] probe: {record['probe']}", flush=True)
@@ -321,7 +340,8 @@ def main() -> int:
             record["exit_code"] = engine_trial.stop(proc)
             (a.out / f"multiturn-{name}.json").write_text(json.dumps(record, indent=1, default=str))
             summary["phases"][name] = {
-                k: record.get(k) for k in ("ready", "startup_seconds", "logged", "probe", "workload", "exit_code")
+                k: record.get(k)
+                for k in ("ready", "startup_seconds", "logged", "max_inflight", "probe", "workload", "exit_code")
             }
             (a.out / "multiturn.json").write_text(json.dumps(summary, indent=1, default=str))
             if not record.get("ready"):
