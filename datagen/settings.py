@@ -81,6 +81,13 @@ class Settings(BaseSettings):
         description="A server with requests that shows no progress this long (no request finished, no new "
         "scheduler snapshot in /v1/loads) is marked down and its requests go to the others.",
     )
+    affinity_wait_s: float = Field(
+        2.0,
+        ge=0,
+        description="Prefix affinity (every-turn steps, radix cache kept): the longest a step waits for the full "
+        "server holding its conversation's prefix before it takes the first slot free anywhere; about the re-prefill "
+        "it saves. 0: never wait (datagen/engine/dispatcher.py).",
+    )
 
     # --- Local state -------------------------------------------------------------------------
     work_dir: Path = Field(

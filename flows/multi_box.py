@@ -62,7 +62,7 @@ from flows.expand_dataset import (
     publish_dataset,
     published_before,
 )
-from tasks import generation, planning, publishing
+from tasks import generation, pilot, planning, publishing
 from tasks.planning import ShardPlan
 from tasks.serving import serving
 from tasks.shard_exchange import CheckpointSync, CollectedShard, Lease, ShardExchange, ShardExchangeError
@@ -133,7 +133,8 @@ def generate_on_box(
     """Start this box's servers and generate claimed shards until every shard of the run is done.
 
     `prompt_tokens`/`turns_per_conversation`: the run's prompts as the parent planned them (this box fetches each
-    shard's files as it claims it), for this box's memory plan on its own GPUs.
+    shard's files as it claims it), for this box's memory plan on its own GPUs; the turns are the recording's
+    count, replaced by the steps of the run's pilot where that pilot ran on this box.
     """
     return failure.reported(_generate_on_box, spec, box, exchange, prompt_tokens, turns_per_conversation)
 
@@ -160,14 +161,8 @@ def _generate_on_box(
         return {"box": this_box, "shards": [], "output_tokens": 0}
 
     check_environment_task(settings, spec, store)
-    # Each box plans for its own GPUs (the pilot's measured lengths live on the box that ran it: max_new_tokens here).
-    memory_plan, memory_why = memory_plan_task(
-        settings,
-        spec,
-        None,
-        None,
-        PromptTokens(**prompt_tokens) if prompt_tokens else None,
-        turns_per_conversation=turns_per_conversation,
+    memory_plan, memory_why = _box_memory_plan(
+        settings, spec, PromptTokens(**prompt_tokens) if prompt_tokens else None, turns_per_conversation
     )
     logger.info("box %s memory plan: %s", this_box, memory_why)
     plan_args = memory_plan.plan_args if memory_plan else []
@@ -224,6 +219,20 @@ def _generate_on_box(
     }
     logger.info("box %s done: %s", this_box, report)
     return report
+
+
+def _box_memory_plan(
+    settings: Settings, spec: RunSpec, prompt_tokens: PromptTokens | None, recorded_turns: float
+) -> tuple[MemoryPlan | None, str]:
+    """This box's memory plan for its own GPUs; the radix cache's trade from the pilot's steps if it ran here.
+
+    Only the turns come from the pilot: the output is still planned at max_new_tokens, not the pilot's measured
+    mean that a single-box run uses.
+    """
+    turns, turns_source = pilot.plan_turns_on_box(settings.work_dir, spec.pilot, recorded_turns)
+    return memory_plan_task(
+        settings, spec, None, None, prompt_tokens, turns_per_conversation=turns, turns_source=turns_source
+    )
 
 
 def _box_plan(plan: MemoryPlan | None, why: str) -> dict[str, Any]:

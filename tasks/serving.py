@@ -62,7 +62,10 @@ def serving(
     try:
         start(fleet)
         with Dispatcher(
-            fleet.endpoints, on_server_down=fleet.restart, hang_timeout_s=settings.server_hang_timeout_s
+            fleet.endpoints,
+            on_server_down=fleet.restart,
+            hang_timeout_s=settings.server_hang_timeout_s,
+            affinity_wait_s=settings.affinity_wait_s,
         ) as dispatcher:
             dispatcher.wait_ready(settings.server_start_timeout_s)  # every server contacted before work is sent
             yield Serving(fleet, dispatcher)

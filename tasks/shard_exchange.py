@@ -47,7 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from datagen.checkpoint import CheckpointLine, CheckpointTail, json_row, lines_of, read_lines, write_lines
 from datagen.conversation.ledger import read_ledger
 from datagen.conversation.regeneration import follows, split_step_key
-from datagen.conversation.turn_mode import LastTurn, TurnMode
+from datagen.conversation.turn_mode import TurnMode
 from datagen.layout import RunLayout
 from datagen.publishing.storage import ObjectExists, ObjectStore
 from datagen.records import Completion
@@ -438,7 +438,6 @@ _MERGES: dict[str, Callable[[bool], RowMerge]] = {
     "request": lambda enable_thinking: RequestMerge(),
     "conversation": ConversationMerge,
 }
-_LAST_TURN = LastTurn()
 
 
 class ShardExchange:
@@ -452,12 +451,14 @@ class ShardExchange:
         owner: str,
         lease_s: float = 120.0,
         clock: Callable[[], float] = time.time,
-        mode: TurnMode = _LAST_TURN,
+        *,
+        mode: TurnMode,
         enable_thinking: bool = True,
     ) -> None:
         """`mode`, `enable_thinking`: the run's turn mode and thinking setting, which say how rows from several
         writers merge (`RowMerge`: per request key, or per conversation, a step's generated turn as thinking shows
-        it in the next step's history)."""
+        it in the next step's history). `mode` has no default: one would contradict the run's whenever the two
+        differ (`RunSpec.turns` defaults to every turn), and rows would merge by the wrong unit."""
         if not owner.isalnum():
             raise ValueError(f"owner token must be letters and digits (it is part of object names): {owner!r}")
         self.store = store

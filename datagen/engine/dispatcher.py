@@ -44,7 +44,8 @@ empty):
 - that server has a free slot: the step goes there, before anything behind it in the queue;
 - it has none: the step waits for it, keeping its place in the queue, while work behind it takes the free slots
   elsewhere; once no queued work is left to use a free slot elsewhere, it goes there rather than idle that slot;
-  and after `affinity_wait_s` (about the re-prefill it would save: seconds) it goes wherever a slot frees first.
+  and after `affinity_wait_s` (about the re-prefill it would save: seconds; `DATAGEN_AFFINITY_WAIT_S` in a run) it
+  goes wherever a slot frees first.
 
 So no slot idles while a step waits (occupancy as without affinity), no step waits past the bound (no
 starvation), and the queue order holds among the steps that can be sent. Retries and requeued steps, and jobs

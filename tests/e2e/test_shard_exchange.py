@@ -32,7 +32,9 @@ from tasks.generation import ShardResult
 from tasks.planning import plan_shards
 from tasks.shard_exchange import (
     CheckpointSync,
+    ConversationMerge,
     IncompleteShard,
+    RequestMerge,
     RunStateConflict,
     ShardExchange,
 )
@@ -232,7 +234,7 @@ def test_plan_upload_is_idempotent_and_refuses_a_different_plan(s3_store: Object
     )
     layout = RunLayout(tmp_path / "run")
     plan = plan_shards(spec, layout)
-    sx = ShardExchange(s3_store, "ns_test", "parent", "p1")
+    sx = ShardExchange(s3_store, "ns_test", "parent", "p1", mode=turn_mode(spec))
     sx.publish_plan(plan, layout)
     sx.publish_plan(plan, layout)  # a re-run with the same prompts: accepted, nothing rewritten
     assert sx.fetch_plan() == plan
@@ -254,7 +256,7 @@ def test_boxes_fetch_planning_render_with_the_prompts(s3_store: ObjectStore, tmp
     )
     layout = RunLayout(tmp_path / "run")
     plan = plan_shards(spec, layout)
-    sx = ShardExchange(s3_store, "ns_test", "parent", "p1")
+    sx = ShardExchange(s3_store, "ns_test", "parent", "p1", mode=turn_mode(spec))
     sx.publish_plan(plan, layout)
     sx.publish_plan(plan, layout)  # a re-run: the cache already there is kept
     assert s3_store.head(sx.render_cache_key(1)) is not None
@@ -283,7 +285,7 @@ def test_boxes_fetch_planning_render_with_the_prompts(s3_store: ObjectStore, tmp
     )
 
     # A shard without an uploaded cache: the box keeps none (a stale local one is removed with a new download).
-    other = ShardExchange(s3_store, "ns_nocache", "parent", "p1")
+    other = ShardExchange(s3_store, "ns_nocache", "parent", "p1", mode=turn_mode(spec))
     rendered_path(layout.shard_prompts(0)).unlink()
     other.publish_plan(plan, layout)
     assert s3_store.head(other.render_cache_key(0)) is None
@@ -294,6 +296,19 @@ def test_boxes_fetch_planning_render_with_the_prompts(s3_store: ObjectStore, tmp
     other.fetch_prompts(plan, 0, box2)
     assert not rendered_path(box2.shard_prompts(0)).exists()
     assert read_rendered(box2.shard_prompts(0), render_key) is None
+
+
+def test_an_exchange_takes_the_runs_turn_mode_never_a_default(s3_store: ObjectStore) -> None:
+    # A default mode contradicted the run's (`RunSpec.turns` defaults to every turn): rows merged by the wrong unit.
+    with pytest.raises(TypeError, match="mode"):
+        ShardExchange(s3_store, "ns_test", "parent", "p1")
+    with pytest.raises(TypeError):  # keyword only: never a positional slip after `clock`
+        ShardExchange(s3_store, "ns_test", "parent", "p1", 120.0, Clock(), LastTurn())
+    every = ShardExchange(s3_store, "ns_test", "parent", "p1", mode=turn_mode(RunSpec(model_path="unused")))
+    last = ShardExchange(
+        s3_store, "ns_test", "parent", "p1", mode=turn_mode(RunSpec(model_path="unused", turns="last"))
+    )
+    assert isinstance(every.merge, ConversationMerge) and isinstance(last.merge, RequestMerge)
 
 
 def test_specs_reject_leases_renewed_too_late_and_bad_box_names() -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,7 +19,9 @@ from datagen.identity import RequestKeys
 from datagen.layout import RunLayout
 from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Completion, Message, Prompt, Reject
-from datagen.runspec import PromptSource, RunSpec
+from datagen.runspec import ExchangeSpec, PromptSource, RunSpec
+from datagen.settings import Settings
+from flows import multi_box
 from tasks import pilot_turns
 from tasks.chains import Chain, ChainRun, DecodeModel
 from tasks.generation import pilot_step_tokens
@@ -27,10 +31,13 @@ from tasks.pilot import (
     RECORDED_TURNS,
     PilotPopulation,
     PilotSpec,
+    Projection,
     import_pilot,
     plan_turns,
+    plan_turns_on_box,
     project,
     render_projection,
+    write_projection,
 )
 from tasks.pilot_turns import PilotMeasure, SampledChain, chain_walls, conversation_key, user_turns
 from tasks.planning import ShardEntry, ShardPlan, plan_shards
@@ -410,3 +417,58 @@ def test_the_radix_cache_choice_takes_the_pilots_measured_steps_not_the_recordin
     # No pilot, or a `last` mode pilot (no conversations measured): the recording's count, said so.
     assert plan_turns(None, 3.0) == (3.0, RECORDED_TURNS)
     assert plan_turns(p.model_copy(update={"conversations": None}), 3.0) == (3.0, RECORDED_TURNS)
+
+
+def _pilot_on_box(tmp_path: Path, name: str = "p1") -> tuple[Path, Projection]:
+    """A work dir holding an every-turn pilot's projection (pilot.json), as the pilot flow leaves it on its box."""
+    layout, plan, population, summary = _hand_case(tmp_path / "case")
+    throughput = {"aggregate_tokens_per_s": 100.0, "servers": 2, "method": "whole_run"}
+    p = project(layout, plan, population, summary, throughput, 4, PilotSpec(name=name), turns=EveryTurn())
+    work_dir = tmp_path / "work"
+    write_projection(RunLayout.for_run(work_dir, name), p)
+    return work_dir, p
+
+
+def test_a_box_takes_the_pilots_steps_only_where_that_pilot_ran(tmp_path: Path) -> None:
+    work_dir, p = _pilot_on_box(tmp_path)
+    # The pilot ran on this box: its measured steps, as a single-box run takes them.
+    assert plan_turns_on_box(work_dir, "p1", 3.0) == plan_turns(p, 3.0)
+    assert plan_turns_on_box(work_dir, "p1", 3.0)[0] == 1.667
+    # Named but run elsewhere (its files stay on its box): the parent's recorded count, and the source says why.
+    turns, source = plan_turns_on_box(work_dir, "elsewhere", 3.0)
+    assert turns == 3.0
+    assert source.startswith(RECORDED_TURNS)
+    assert "pilot 'elsewhere' named, but its pilot.json is not on this box" in source
+    # No pilot named: the recording's count, as before.
+    assert plan_turns_on_box(work_dir, None, 3.0) == (3.0, RECORDED_TURNS)
+
+
+class _PlanAsked(Exception):
+    """Raised by the stand-in memory plan: the box's run stops once its plan's inputs are known."""
+
+
+def test_generate_on_box_plans_the_radix_cache_from_the_pilot_on_its_box(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    work_dir, p = _pilot_on_box(tmp_path)
+    asked: list[dict[str, Any]] = []
+
+    def memory_plan(*args: object, **kwargs: Any) -> tuple[None, str]:
+        asked.append(kwargs)
+        raise _PlanAsked
+
+    exchange = SimpleNamespace(fetch_plan=lambda: SimpleNamespace(shard_ids=[0]), done_ids=set)
+    monkeypatch.setattr(multi_box, "get_run_logger", lambda: logging.getLogger("test"))
+    monkeypatch.setattr(multi_box, "Settings", lambda: Settings(work_dir=work_dir, box_name="box-a"))
+    monkeypatch.setattr(multi_box.paths, "secure_run", lambda *a, **k: None)
+    monkeypatch.setattr(multi_box.ObjectStore, "from_settings", lambda settings: None)
+    monkeypatch.setattr(multi_box, "_exchange", lambda *a: exchange)
+    monkeypatch.setattr(multi_box, "check_environment_task", lambda *a: [])
+    monkeypatch.setattr(multi_box, "memory_plan_task", memory_plan)
+    for name in ("p1", "elsewhere"):
+        with pytest.raises(_PlanAsked):
+            multi_box._generate_on_box(RunSpec(pilot=name), "box-a", ExchangeSpec(), None, 3.0)
+    measured, recorded = asked
+    assert (measured["turns_per_conversation"], measured["turns_source"]) == plan_turns(p, 3.0)
+    assert recorded["turns_per_conversation"] == 3.0
+    assert recorded["turns_source"].startswith(RECORDED_TURNS)
