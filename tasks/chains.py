@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from datagen.conversation.turn_mode import work_left
+
 __all__ = ["POLICIES", "Chain", "ChainRun", "DecodeModel", "Policy", "simulate_chains", "simulate_wall"]
 
 Policy = Literal[
@@ -73,8 +75,9 @@ class Chain:
     expected: tuple[float, ...] | None = None  # each step's expected length (None: every step counts 1)
 
     def expected_left(self, step: int) -> float:
-        """Expected tokens of steps `step`, `step` + 1, ... (the step about to start included)."""
-        return float(sum(self.expected[step:])) if self.expected is not None else float(len(self.steps) - step)
+        """Expected tokens of steps `step`, `step` + 1, ... (the step about to start included): the shard driver's
+        rank (`datagen.conversation.turn_mode.work_left`), or the true steps left when nothing is expected."""
+        return work_left(self.expected, step) if self.expected is not None else float(len(self.steps) - step)
 
 
 @dataclass(frozen=True, slots=True)

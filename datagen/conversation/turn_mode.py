@@ -50,6 +50,7 @@ __all__ = [
     "expected_steps",
     "step_check",
     "turn_mode",
+    "work_left",
 ]
 
 
@@ -64,10 +65,8 @@ class Conversation:
     expected: tuple[float, ...] = (1.0,)
 
     def work_left(self, step: int) -> float:
-        """Expected tokens of this step and those after it (past its expected steps, e.g. a tool round the
-        recording lacks: one more of the last one's)."""
-        left = self.expected[step:]
-        return float(sum(left)) if left else self.expected[-1]
+        """Expected tokens of this step and those after it (`work_left`: the rank the driver sends by)."""
+        return work_left(self.expected, step)
 
 
 class Steps(ABC):
@@ -290,6 +289,20 @@ def expected_steps(prompt: Prompt) -> int:
     except Unsendable:
         return 1  # its first step is rejected when it opens
     return sum(max(1, len(turn.steps)) for turn in script.turns)
+
+
+def work_left(expected: Sequence[float], step: int) -> float:
+    """A conversation's expected output tokens from step `step` on: its expected steps' lengths from there, summed.
+
+    Past the expected steps it is 0. `expected_steps` counts each user turn's recorded steps, so only answers the
+    recording lacks (the one after a turn's last tool results, where the recording stops at them) take a
+    conversation past its count, at its end. Ranked 0, such a step goes after every conversation with recorded
+    work left, which may still run long, and fills slots near the end that would otherwise wait (counting it as
+    one more of the last step cost the tools workload 2-5% of its bound: benchmarks/README.md, conversations).
+    The shard driver ranks by this; the chain bound's `expected_work_left` policy (tasks/chains.py) and the
+    pilot's projection simulate the same rank.
+    """
+    return float(sum(expected[step:]))
 
 
 def step_check(spec: RunSpec, chat: ChatTokenizer) -> StepCheck:

@@ -20,6 +20,8 @@ from datagen.publishing.storage import sha256_file
 from datagen.records import Prompt
 from datagen.runspec import RunSpec
 from datagen.sources.preparation import preparer_for, write_rendered
+from tasks.chains import Chain
+from tasks.generation import _ShardDriver
 from tasks.shard_generation import completion_record
 
 LAST, EVERY = LastTurn(), EveryTurn()
@@ -100,11 +102,29 @@ def test_a_last_step_is_planning_s_render_and_its_line_is_the_server_s_result_as
 def test_a_conversation_s_work_left_ranks_it(mode: Any) -> None:
     conv = Conversation(_prompt(3), 0, "k", (10.0,) * mode.expected_steps(_prompt(3)))
     assert conv.work_left(0) == 10.0 * mode.expected_steps(_prompt(3))
-    assert conv.work_left(5) == 10.0  # at least the step at hand
+    assert conv.work_left(5) == 0.0  # past the recording's steps: none counted
     # Each step its own expected length: the work left is those from the step at hand on, summed.
     tools = Conversation(_prompt(3), 0, "k", (20.0, 300.0, 100.0))
     assert (tools.work_left(0), tools.work_left(1), tools.work_left(2)) == (420.0, 400.0, 100.0)
-    assert tools.work_left(3) == 100.0  # a step past the recording's: one more of the last one's
+    assert tools.work_left(3) == 0.0  # the answer after the last recorded tool results: it ends the conversation
+
+
+def test_a_step_past_the_recording_ranks_after_every_conversation_with_work_left() -> None:
+    # Plan row 0's conversation is at the answer its recording lacks (step 1 of 1 expected); row 1 has not opened
+    # and expects one step of the same length. The one that may still run long goes first, whatever the rows.
+    past = Conversation(_prompt(1), 0, "a", (50.0,))
+    unopened = Conversation(_prompt(1), 1, "b", (50.0,))
+    assert _ShardDriver._rank(unopened, 0) < _ShardDriver._rank(past, 1)
+
+
+@pytest.mark.parametrize("expected", [(1.0,), (1.0, 1.0, 1.0), (283.0, 209.0, 271.0), (5.0, 0.5)])
+def test_the_driver_ranks_by_the_work_the_chain_bound_simulates(expected: tuple[float, ...]) -> None:
+    # The benchmark measures the driver against the bound of its own policy, and the pilot projects a run with it:
+    # both must rank every step, those past the recording's included, as the driver does.
+    conv = Conversation(_prompt(1), 0, "k", expected)
+    chain = Chain(tuple(range(1, len(expected) + 3)), turns=1, expected=expected)
+    for step in range(len(expected) + 2):
+        assert conv.work_left(step) == chain.expected_left(step)
 
 
 def test_what_else_differs_by_mode_is_the_mode_s_answer(tmp_path: Path) -> None:
