@@ -6,7 +6,8 @@ workload (C conversations of T turns: each turn sends the previous turn's prompt
 `plan_memory(turns="every", turns_per_conversation=T)` picks between: `radix-balanced` (the radix cache kept, the
 state pool sized for its extra slots per request) and `no-radix-balanced` (every turn re-prefills its history, one
 state slot per request, more requests at once). Per phase: the plan's predicted running requests and per-request
-GPU time (`choose_prefix_reuse`), SGLang's logged pools, then the measured wall, output tokens/s, prompt tokens and
+GPU time (`choose_prefix_reuse`: the new tokens prefilled on both sides, the history re-prefilled without the cache
+or where the state pool evicted it), SGLang's logged pools, then the measured wall, output tokens/s, prompt tokens and
 `meta_info.cached_tokens` (the prefix the server reused) per turn. OUT/multiturn-NAME.json per phase and
 OUT/multiturn.json with the plan and the verdict (did the plan's choice run faster?).
 
@@ -243,6 +244,11 @@ def main() -> int:
             calibrated_note = f"calibrated from {a.calibrate_log.name} (an earlier machine's defaults server)"
     t, u, o = a.turns, a.user_tokens, a.output
     context = t * (u + o)  # the last turn: every user turn and every output of the conversation
+    # In rotation at a server: what the gate lets in ('auto': the plan's default, running + 4), else every one.
+    if a.max_inflight:
+        conversations_open = None if a.max_inflight == "auto" else int(a.max_inflight)
+    else:
+        conversations_open = a.conversations
     plan = plan_memory(
         model,
         gpu,
@@ -251,20 +257,16 @@ def main() -> int:
         turns="every",
         turns_per_conversation=t,
         output_tokens=o,
+        conversations_open=conversations_open,
     )
     cands = {c.name: c for c in plan.candidates}
-    reuse = prefix_reuse_for_turns(model, gpu, context, t, o, cands["no-radix-balanced"].concurrency)
+    radix, no_radix = cands["radix-balanced"], cands["no-radix-balanced"]
+    reuse = prefix_reuse_for_turns(model, gpu, context, t, o, no_radix.concurrency, radix, conversations_open)
     predicted: dict[str, Any] = {}
     if not isinstance(reuse, str):
-        keep, why = choose_prefix_reuse(
-            reuse, cands["radix-balanced"].concurrency, cands["no-radix-balanced"].concurrency
-        )
-        w = cands["radix-balanced"].concurrency
-        wo = cands["no-radix-balanced"].concurrency
-        ms_with = reuse.output_tokens / (w * reuse.decode_steps_per_s) * 1e3
-        ms_without = (
-            reuse.output_tokens / (wo * reuse.decode_steps_per_s) + reuse.history_tokens / reuse.prefill_tokens_per_s
-        ) * 1e3
+        keep, why = choose_prefix_reuse(reuse, radix.concurrency, no_radix.concurrency)
+        ms_with = reuse.gpu_seconds(radix.concurrency, radix=True) * 1e3
+        ms_without = reuse.gpu_seconds(no_radix.concurrency, radix=False) * 1e3
         predicted = {
             "keep_radix": keep,
             "why": why,

@@ -85,6 +85,7 @@ from datagen.engine.client import (
 )
 from datagen.engine.endpoints import ServerEndpoint
 from datagen.engine.gate import GateClosed, PlanOrderGate, ShardShares
+from datagen.engine.memory_plan import QUEUED_PER_SERVER
 from datagen.engine.stats import DispatcherStats, ServerStats
 from datagen.operations.redact import redact_text
 
@@ -233,7 +234,7 @@ class Dispatcher:
         self,
         endpoints: list[ServerEndpoint],
         *,
-        queue_depth: int = 4,
+        queue_depth: int = QUEUED_PER_SERVER,  # the memory plan's radix-cache trade assumes it
         queue_rounds: int = 1,
         max_attempts: int = 8,
         max_protocol_errors: int = 3,

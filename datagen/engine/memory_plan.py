@@ -34,6 +34,7 @@ __all__ = [
     "ENGINE_MEMORY",
     "NUMERICS_FLAGS",
     "PLAN_FLAGS",
+    "QUEUED_PER_SERVER",
     "Candidate",
     "EngineFlags",
     "GpuMemory",
@@ -73,6 +74,9 @@ _VLM_CACHE_BYTES = 100 * _MIB
 # MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO, and the extra_buffer tracking slots with/without overlap.
 _MAMBA_BASE_SLOTS = 3
 _DEFAULT_MAMBA_FULL_MEMORY_RATIO = 0.9
+# Requests a client holds queued at a server beyond its running ones (datagen's `Dispatcher(queue_depth=...)`):
+# in an every-turn run, about the conversations in rotation there besides the running ones.
+QUEUED_PER_SERVER = 4
 
 # Flags the plan may choose (tuning only: they change how memory is split, never what the model computes).
 PLAN_FLAGS = (
@@ -575,10 +579,22 @@ class Candidate:
 class PrefixReuse:
     """Multi-turn regeneration: each turn's prompt extends the previous turn's history."""
 
-    history_tokens: int  # mean history a turn would re-prefill without the radix cache
+    history_tokens: int  # mean history a turn's prompt holds (its conversation's earlier turns)
+    new_tokens: int  # mean tokens a turn's prompt adds to its history: prefilled with the radix cache or without
     output_tokens: int  # mean tokens generated per turn
     prefill_tokens_per_s: float  # prefill rate of one GPU (measured by the pilot, or an estimate)
     decode_steps_per_s: float  # decode steps per second at the planned batch (roofline or measured)
+    cached_share: float  # share of the history the radix cache still holds at the next turn (evictions: < 1)
+
+    def gpu_seconds(self, running: int, *, radix: bool) -> float:
+        """GPU time per request at `running` requests at once: its share of decode steps, plus its prefill.
+
+        Both sides prefill the new tokens; without the radix cache the whole history too, with it the share the
+        cache lost. Prefill stalls the batch, so it is charged in full.
+        """
+        missed = 1.0 - self.cached_share if radix else 1.0
+        prefill = (self.new_tokens + missed * self.history_tokens) / self.prefill_tokens_per_s
+        return self.output_tokens / (running * self.decode_steps_per_s) + prefill
 
 
 Turns = Literal["every", "last"]
@@ -618,54 +634,66 @@ class PromptTokens:
 def prefix_reuse_for_turns(
     model: ModelShape,
     gpu: GpuMemory,
-    context_tokens: int,
+    last_turn_context: int,
     turns_per_conversation: float,
     output_tokens: float,
     batch: int,
+    radix: Candidate,
+    conversations_open: int | None = None,
 ) -> PrefixReuse | str:
     """The multi-turn trade's inputs for a run that generates every turn, or why they cannot be estimated.
 
-    Turn k of a T-turn conversation holds about k x n tokens (n new tokens per turn), so the mean context C is
-    n (T+1)/2 and a turn re-prefills (k-1) n of history without the radix cache: C (T-1)/(T+1) per request on
-    average (the first turn has none). Prefill runs at PREFILL_MFU of the card's dense BF16 peak over
-    2 FLOPs per parameter per token (parameters = BF16 weight bytes / 2); a decode step takes the roofline's
-    time at `batch`, the count the radix cache off would run (`decode_roofline`).
+    `last_turn_context`: the tokens a conversation's last turn holds at its end (the plan's `context_tokens`, the
+    longest). Each of T turns adds s = last/T tokens (its new prompt tokens, then its output o), so turn k's prompt
+    is (k-1) s of history plus s - o new tokens: the history averages s (T-1)/2 (the first turn has none).
+    `cached_share`: each conversation in rotation (`conversations_open`; default the radix candidate's running
+    requests + QUEUED_PER_SERVER, what datagen's dispatcher holds at a server) keeps its state in the pool between
+    turns, and a running request holds all but one of its slots (SGLang 0.5.17's log: 4 of 5), so the spare slots
+    hold that share, capped at 1; the others are evicted and re-prefilled. Prefill runs at PREFILL_MFU of the
+    card's dense BF16 peak over 2 FLOPs per parameter per token (parameters = BF16 weight bytes / 2); a decode
+    step takes the roofline's time at `batch`, the count the radix cache off would run (`decode_roofline`).
     """
     flops = card_prefill_flops(gpu.bandwidth_bytes_per_s)
     if flops is None or gpu.bandwidth_bytes_per_s is None:
         return "the card's bandwidth and compute are not in the table: no estimate of the multi-turn trade"
     t = max(1.0, turns_per_conversation)
-    history = round(context_tokens * (t - 1) / (t + 1))
+    per_turn = last_turn_context / t
+    output = max(1, round(output_tokens))
     prefill = PREFILL_MFU * flops / (2 * gpu.weights_bytes / 2)
     batch = max(1, batch)
-    per_request = 2 * model.state_bytes_per_slot + model.kv_bytes_per_token * context_tokens
+    per_request = 2 * model.state_bytes_per_slot + model.kv_bytes_per_token * last_turn_context
     steps = gpu.bandwidth_bytes_per_s / (gpu.weights_bytes + batch * per_request)
+    in_use = radix.concurrency * (radix.sizing.slots_per_request - 1)
+    spare = max(0, radix.sizing.max_mamba_cache_size - in_use)
+    rotation = conversations_open if conversations_open is not None else radix.concurrency + QUEUED_PER_SERVER
     return PrefixReuse(
-        history_tokens=history,
-        output_tokens=max(1, round(output_tokens)),
+        history_tokens=round(per_turn * (t - 1) / 2),
+        new_tokens=max(0, round(per_turn - output)),
+        output_tokens=output,
         prefill_tokens_per_s=prefill,
         decode_steps_per_s=steps,
+        cached_share=min(1.0, spare / max(1, rotation)),
     )
 
 
 def choose_prefix_reuse(reuse: PrefixReuse, with_radix: int, without_radix: int) -> tuple[bool, str]:
     """Keep the radix cache for a multi-turn run? Weighs re-prefilling each history against fewer running requests.
 
-    Per request, a GPU spends output/(batch x steps/s) seconds on decode; without the radix cache it also
-    re-prefills the history (history / prefill rate, which stalls the batch). The cheaper side wins.
+    Per request (`PrefixReuse.gpu_seconds`): its share of the decode steps at each side's running count, plus the
+    prefill of its new tokens, and of the history without the cache (or the share the cache lost). The cheaper
+    side wins.
     """
     if with_radix <= 0 or without_radix <= 0:
         raise ValueError("both strategies must run at least one request")
-    decode_with = reuse.output_tokens / (with_radix * reuse.decode_steps_per_s)
-    decode_without = reuse.output_tokens / (without_radix * reuse.decode_steps_per_s)
-    prefill = reuse.history_tokens / reuse.prefill_tokens_per_s
-    keep = decode_with < decode_without + prefill
+    with_s = reuse.gpu_seconds(with_radix, radix=True)
+    without_s = reuse.gpu_seconds(without_radix, radix=False)
     why = (
-        f"per request: {decode_with * 1e3:.1f} ms of GPU time with the radix cache ({with_radix} running) vs "
-        f"{(decode_without + prefill) * 1e3:.1f} ms without ({without_radix} running, "
-        f"{reuse.history_tokens} history tokens re-prefilled at {reuse.prefill_tokens_per_s:,.0f} tok/s)"
+        f"per request: {with_s * 1e3:.1f} ms of GPU time with the radix cache ({with_radix} running, "
+        f"{reuse.cached_share:.0%} of {reuse.history_tokens} history tokens cached) vs {without_s * 1e3:.1f} ms "
+        f"without ({without_radix} running, the history re-prefilled); {reuse.new_tokens} new tokens either way, "
+        f"prefill at {reuse.prefill_tokens_per_s:,.0f} tok/s"
     )
-    return keep, why
+    return with_s < without_s, why
 
 
 def decode_roofline(model: ModelShape, gpu: GpuMemory, batch: int, context_tokens: int) -> float | None:
@@ -826,6 +854,7 @@ def plan_memory(
     turns_per_conversation: float = 1.0,
     turns_source: str = "",
     output_tokens: float | None = None,
+    conversations_open: int | None = None,
     longest_request_tokens: int | None = None,
     prefer: str | None = None,
     prefer_why: str = "",
@@ -843,7 +872,10 @@ def plan_memory(
     its extra state slots, `prefix_reuse_for_turns`; `prefix_reuse` gives the trade's inputs directly).
     `turns_source`: where `turns_per_conversation` came from (the pilot's measured steps, or the recording), for
     the reasons and `radix_cache`.
-    `output_tokens`: mean output per request (default: half the context). `longest_request_tokens`: the longest
+    `context_tokens` is what a request holds at its end; in an every-turn run, the conversation's last turn (its
+    longest), from which the trade derives the mean history. `output_tokens`: mean output per request (default:
+    half the context). `conversations_open`: conversations in rotation per server in an every-turn run (default:
+    running + QUEUED_PER_SERVER, as datagen's dispatcher holds them). `longest_request_tokens`: the longest
     prompt plus max_new_tokens; a candidate whose KV pool cannot hold it alone is never chosen.
     `prefer`: a candidate the pilot's side-by-side trial kept (`datagen.engine.plan_trial`); it wins, and
     `prefer_why` is recorded.
@@ -910,7 +942,8 @@ def plan_memory(
     radix_off = [c for c in eligible if c.flags.disable_radix_cache]
     radix_on = [c for c in eligible if not c.flags.disable_radix_cache]
     best_no_radix = max(radix_off or eligible, key=lambda c: c.concurrency)
-    if prefix_reuse is None and turns == "every" and turns_per_conversation > 1:
+    best_radix = max(radix_on, key=lambda c: c.concurrency) if radix_on else None
+    if prefix_reuse is None and turns == "every" and turns_per_conversation > 1 and best_radix is not None:
         estimate = prefix_reuse_for_turns(
             model,
             gpu,
@@ -918,6 +951,8 @@ def plan_memory(
             turns_per_conversation,
             output_tokens if output_tokens is not None else context_tokens / 2,
             best_no_radix.concurrency,
+            best_radix,
+            conversations_open,
         )
         if isinstance(estimate, str):
             reasons.append(f"turns extend a prefix, but {estimate}: radix cache off")
@@ -925,7 +960,7 @@ def plan_memory(
             prefix_reuse = estimate
     counted = f"{turns_per_conversation:g} turns per conversation" + (f" ({turns_source})" if turns_source else "")
     radix_why = ""
-    if prefix_reuse is None or not radix_on:
+    if prefix_reuse is None or best_radix is None:
         chosen = best_no_radix
         if turns == "last" or turns_per_conversation <= 1:
             why = "turns: last" if turns == "last" else "one turn per conversation"
@@ -939,7 +974,6 @@ def plan_memory(
                 f"turns extend a prefix ({counted}), but no candidate with the radix cache fits: radix cache off"
             )
     else:
-        best_radix = max(radix_on, key=lambda c: c.concurrency)
         keep, why = choose_prefix_reuse(prefix_reuse, best_radix.concurrency, best_no_radix.concurrency)
         chosen = best_radix if keep else best_no_radix
         reasons.append(
@@ -995,6 +1029,7 @@ def plan_memory(
             "turns_per_conversation": turns_per_conversation,
             "turns_source": turns_source,
             "output_tokens": output_tokens,
+            "conversations_open": conversations_open,
             "longest_request_tokens": longest_request_tokens,
             "prefer": prefer,
             "prefer_why": prefer_why,

@@ -125,7 +125,14 @@ def _plans(model_dir: Path) -> list[tuple[str, MemoryPlan]]:
     model = ModelShape.from_model_dir(model_dir)
     plans = [(f"{c}", plan_memory(model, _gpu(), c, context_source="test")) for c in CONTEXTS]
     # A multi-turn run whose turns extend a prefix: the radix-on balanced candidate is judged too.
-    reuse = PrefixReuse(history_tokens=3000, output_tokens=1000, prefill_tokens_per_s=8000, decode_steps_per_s=20)
+    reuse = PrefixReuse(
+        history_tokens=3000,
+        new_tokens=500,
+        output_tokens=1000,
+        prefill_tokens_per_s=8000,
+        decode_steps_per_s=20,
+        cached_share=1.0,
+    )
     plans.append(("4096 multi-turn", plan_memory(model, _gpu(), 4096, context_source="test", prefix_reuse=reuse)))
     # turns: every, the trade estimated from the card (prefix_reuse_for_turns): short histories drop the radix
     # cache, long ones keep it (the caps both sides are judged below by the real code).

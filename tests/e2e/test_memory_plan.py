@@ -87,10 +87,20 @@ def test_explicit_server_args_win_and_numerics_are_recorded_not_chosen(model: Mo
 
 def test_prefix_reuse_weighs_re_prefill_against_fewer_running_requests(model: ModelShape) -> None:
     cheap_history = PrefixReuse(
-        history_tokens=200, output_tokens=2000, prefill_tokens_per_s=8000, decode_steps_per_s=20
+        history_tokens=200,
+        new_tokens=500,
+        output_tokens=2000,
+        prefill_tokens_per_s=8000,
+        decode_steps_per_s=20,
+        cached_share=1.0,
     )
     long_history = PrefixReuse(
-        history_tokens=60_000, output_tokens=500, prefill_tokens_per_s=4000, decode_steps_per_s=20
+        history_tokens=60_000,
+        new_tokens=500,
+        output_tokens=500,
+        prefill_tokens_per_s=4000,
+        decode_steps_per_s=20,
+        cached_share=1.0,
     )
     keep, why = choose_prefix_reuse(cheap_history, with_radix=14, without_radix=50)
     assert not keep and "200 history tokens" in why
