@@ -239,7 +239,7 @@ def test_multi_turn_choice_weighs_the_real_state_slots_per_request(judged: dict[
         )
         assert radix_running < no_radix_running  # the radix cache always runs fewer at once
         why = next(r for r in plan.reasons if r.startswith("turns extend a prefix"))
-        assert f"({radix_running} running)" in why and f"({no_radix_running} running," in why
+        assert f"({radix_running} running," in why and f"({no_radix_running} running," in why
         chosen[label] = plan.chosen
     # docs/real-engine.md's multi-turn table holds these caps and choices.
     rows = re.findall(
