@@ -298,7 +298,7 @@ def work_left(expected: Sequence[float], step: int) -> float:
     recording lacks (the one after a turn's last tool results, where the recording stops at them) take a
     conversation past its count, at its end. Ranked 0, such a step goes after every conversation with recorded
     work left, which may still run long, and fills slots near the end that would otherwise wait (counting it as
-    one more of the last step cost the tools workload 2-5% of its bound: benchmarks/README.md, conversations).
+    one more of the last step made the tools workload's bound 2-4% slower: benchmarks/README.md, conversations).
     The shard driver ranks by this; the chain bound's `expected_work_left` policy (tasks/chains.py) and the
     pilot's projection simulate the same rank.
     """
