@@ -20,8 +20,8 @@ One driver runs both:
   until every request is queued. In `every` mode conversations open, and ready steps are sent, most work left
   first (`work_left`: its remaining steps' expected lengths, summed; plan order breaks ties), so the longest
   chains start early (benchmarks/README.md, conversations); the reservation holds until the shard's first step
-  is queued, and from then on a shard holding fewer requests than its share (`ShardShares`) goes first in plan
-  order: none is starved, and the lowest shards, which the finishing stream waits for, keep advancing.
+  is queued, and from then on a shard holding no request goes first in plan order: every shard keeps one in
+  flight, so none is starved (`TurnMode.send_order`).
 - A step that fails validation's per-sample checks ends its conversation (`rejected_<reason>`, every turn):
   validation would cut the conversation there anyway, so nothing after it is generated.
 """
@@ -222,8 +222,7 @@ class _ShardDriver:
             if todo:  # nothing to open: the checkpoint (or a pilot's import) settled every conversation
                 assert self.dispatcher is not None
                 self.steps = self.mode.steps(self.spec, self.chat, self.prompts_path)
-                with self.dispatcher.shares.sending(self.shard_id):
-                    self._generate(collections.deque(todo), ledgers)
+                self._generate(collections.deque(todo), ledgers)
         finally:
             self.inflight.cancel()
             self.completions.close()
@@ -271,13 +270,7 @@ class _ShardDriver:
                 self._harvest(self.flush_interval_s)
                 continue
             conv, req = item
-            order = self.mode.send_order(
-                self.shard_id,
-                conv.row,
-                conv.work_left(req.step),
-                len(self.inflight.items),
-                dispatcher.shares.share(dispatcher.queue_limit),
-            )
+            order = self.mode.send_order(self.shard_id, conv.row, conv.work_left(req.step), len(self.inflight.items))
             job = GenerateJob(
                 req.prompt_ids,
                 self.sampling,

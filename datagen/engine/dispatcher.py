@@ -84,7 +84,7 @@ from datagen.engine.client import (
     TransientError,
 )
 from datagen.engine.endpoints import ServerEndpoint
-from datagen.engine.gate import GateClosed, PlanOrderGate, ShardShares
+from datagen.engine.gate import GateClosed, PlanOrderGate
 from datagen.engine.memory_plan import QUEUED_PER_SERVER
 from datagen.engine.stats import DispatcherStats, ServerStats
 from datagen.operations.redact import redact_text
@@ -308,8 +308,6 @@ class Dispatcher:
         self._counted_lock = threading.Lock()
         # Request preparation in plan order (see gate.py): `with dispatcher.turn(job_order): ...`.
         self.turn = PlanOrderGate(1)
-        # Shards sending every-turn conversations now: each one's share of the queue (gate.py).
-        self.shares = ShardShares()
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="datagen-dispatcher", daemon=True)

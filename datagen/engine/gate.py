@@ -22,7 +22,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["GateClosed", "PlanOrderGate", "ShardShares"]
+__all__ = ["GateClosed", "PlanOrderGate"]
 
 
 class GateClosed(RuntimeError):
@@ -146,34 +146,3 @@ class PlanOrderGate:
             self._held += 1
             first.event.set()
 
-
-class ShardShares:
-    """The shards sending now, so each can tell its share of the box's requests; thread-safe.
-
-    Every-turn shard workers rank their requests by the work their conversations have left across shards
-    (tasks/generation.py). A shard holding fewer requests than its share (the queue limit over the shards
-    sending) still goes first, in plan order: no shard is starved by heavier ones, and the lowest shards, which
-    the finishing stream waits for, keep advancing.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._sending: collections.Counter[int] = collections.Counter()
-
-    @contextlib.contextmanager
-    def sending(self, shard: int) -> Iterator[None]:
-        """Count `shard` among the shards sending, for the block."""
-        with self._lock:
-            self._sending[shard] += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._sending[shard] -= 1
-                if not self._sending[shard]:
-                    del self._sending[shard]
-
-    def share(self, limit: int) -> int:
-        """Each sending shard's share of `limit` requests (at least 1)."""
-        with self._lock:
-            return max(1, limit // max(1, len(self._sending)))

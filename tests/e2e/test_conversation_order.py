@@ -1,4 +1,4 @@
-"""Every-turn shard workers rank conversations by the work they have left, and no shard waits past its share.
+"""Every-turn shard workers rank conversations by the work they have left, and a shard holding nothing goes first.
 
 Real stand-in server over HTTP, one dispatcher; which conversation's step goes first is read from the order
 the shard workers submit (`Dispatcher.submit`, recorded), which is the order the dispatcher's queue takes them.
@@ -121,7 +121,7 @@ def test_the_conversation_with_most_work_left_opens_first(tmp_path: Path, monkey
     )
 
 
-def test_no_shard_waits_past_its_share(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_shard_holding_nothing_goes_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model_dir = ensure_model_dir()
     chat = ChatTokenizer.from_model_dir(model_dir)
     layout = RunLayout(tmp_path / "run")
@@ -135,7 +135,7 @@ def test_no_shard_waits_past_its_share(tmp_path: Path, monkeypatch: pytest.Monke
         Dispatcher([endpoint], queue_depth=0, stall_timeout_s=120) as dispatcher,
     ):
         assert dispatcher.wait_ready(60)
-        assert dispatcher.queue_limit == 2  # two shards sending: a share of one request each
+        assert dispatcher.queue_limit == 2
         # Shard 1 starts once shard 0 has filled the servers' two slots and the queue's two places.
         submitted, filled = _recording(dispatcher, monkeypatch, after=4)
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -148,7 +148,7 @@ def test_no_shard_waits_past_its_share(tmp_path: Path, monkeypatch: pytest.Monke
     assert results[0].n_completed > 8  # shard 0's conversations went on past their first steps
     light_ids = {p.prompt_id for p in light}
     first_light = next(i for i, label in enumerate(submitted) if label.split(":")[0] in light_ids)
-    # Shard 1 holds nothing, so its first step goes ahead of shard 0's beyond its share, at the first free place
+    # Shard 1 holds nothing, so its first step goes ahead of shard 0's (which holds some), at the first free place
     # once it asks (one of shard 0's may go while shard 1's worker starts on a busy machine). Before, shard 0,
     # lower in plan order and always waiting for the next place, kept the queue while it had steps to send.
     assert first_light - started_at <= 1, (started_at, first_light, submitted)

@@ -82,8 +82,8 @@ def test_a_late_shard_worker_still_sends_before_higher_shards(
     if turns == "last":
         assert submitted == [(0, i) for i in range(PER_SHARD)] + [(1, i) for i in range(PER_SHARD)]
     else:
-        # Every turn: the reservation holds until the shard's first step is in the queue; from then on each
-        # shard's share and the work left order the queue (EveryTurn.send_order: the shard is at [1]
-        # within its share, at [2] beyond it). Shard 0's first step still goes before any of shard 1's.
+        # Every turn: the reservation holds until the shard's first step is in the queue; from then on the work
+        # left orders the queue, a shard holding nothing first (EveryTurn.send_order: the shard is at [1] for a
+        # shard holding nothing, at [2] otherwise). Shard 0's first step still goes before any of shard 1's.
         shards = [order[1] if order[0] == 0 else order[2] for order in submitted]
         assert shards[0] == 0 and sorted(shards) == [0] * PER_SHARD + [1] * PER_SHARD, submitted

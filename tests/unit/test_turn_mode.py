@@ -61,18 +61,22 @@ def test_which_line_ends_a_conversation_and_how_many_steps_are_expected() -> Non
 
 def test_last_keeps_the_plan_order_in_the_queue() -> None:
     # Work left and shares do not move a `last` request: planning ranked the prompts, (shard, row) is the order.
-    assert LAST.send_order(shard=3, row=7, work=900, held=50, share=2) == (3, 7)
-    assert LAST.send_order(0, 9, 1, 0, 2) < LAST.send_order(1, 0, 900, 0, 2)
+    assert LAST.send_order(shard=3, row=7, work=900, held=50) == (3, 7)
+    assert LAST.send_order(0, 9, 1, 0) < LAST.send_order(1, 0, 900, 0)
 
 
-def test_every_puts_a_shard_within_its_share_first() -> None:
-    within = EVERY.send_order(shard=5, row=9, work=1, held=0, share=2)
-    beyond = EVERY.send_order(shard=0, row=0, work=1000, held=2, share=2)
-    assert within < beyond
-    # Beyond their shares, most work first across shards; within, plan order (then most work).
-    assert EVERY.send_order(3, 0, 900, 4, 2) < EVERY.send_order(0, 0, 100, 4, 2)
-    assert EVERY.send_order(0, 7, 1, 0, 2) < EVERY.send_order(1, 0, 900, 0, 2)
-    assert EVERY.send_order(0, 7, 50, 0, 2) < EVERY.send_order(0, 2, 10, 0, 2)
+def test_every_puts_a_shard_holding_nothing_first_and_then_ranks_by_work_alone() -> None:
+    starved = EVERY.send_order(shard=5, row=9, work=1, held=0)
+    assert starved < EVERY.send_order(shard=0, row=0, work=1000, held=1)
+    # A shard holding even one request ranks by work left across shards: the lighter, lower shard does not go
+    # first. (Before, a shard holding fewer than its share of the queue went first in plan order: with a share
+    # of 2, shard 0's light step went ahead of shard 3's heavy one here.)
+    assert EVERY.send_order(shard=3, row=0, work=900, held=1) < EVERY.send_order(shard=0, row=0, work=100, held=1)
+    assert EVERY.send_order(3, 0, 900, 4) < EVERY.send_order(0, 0, 100, 1)
+    # Shards holding nothing go in plan order, then most work; equal work goes in plan order.
+    assert EVERY.send_order(0, 7, 1, 0) < EVERY.send_order(1, 0, 900, 0)
+    assert EVERY.send_order(0, 7, 50, 0) < EVERY.send_order(0, 2, 10, 0)
+    assert EVERY.send_order(1, 2, 50, 3) < EVERY.send_order(1, 5, 50, 3) < EVERY.send_order(2, 0, 50, 3)
 
 
 def test_a_last_step_is_planning_s_render_and_its_line_is_the_server_s_result_as_is(tmp_path: Path) -> None:
