@@ -240,7 +240,7 @@ class EveryTurn(TurnMode):
     def send_order(self, shard: int, row: int, work: float, held: int) -> tuple[int, ...]:
         # Most work left first across shards; a shard holding nothing goes first, in plan order, so every shard
         # keeps a request in flight (none starves). A larger guarantee (each shard's share of the queue, until
-        # 2026-12-06) held the ranking back where it counts most, as the run drains: benchmarks/README.md.
+        # 2026-12-07) held the ranking back where it counts most, as the run drains: benchmarks/README.md.
         if held == 0:
             return (0, shard, -round(work), row)
         return (1, -round(work), shard, row)

@@ -15,7 +15,6 @@ a long-first plan's longest requests could miss the first wave and wait a whole 
 from __future__ import annotations
 
 import bisect
-import collections
 import contextlib
 import itertools
 import threading
@@ -145,4 +144,3 @@ class PlanOrderGate:
             first.granted = True
             self._held += 1
             first.event.set()
-
