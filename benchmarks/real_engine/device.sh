@@ -7,6 +7,8 @@
 #   trial4k    engine_trial.py: defaults (no bench), then the plan for 4096-token requests, bench 3840x256x24
 #   multiturn  multiturn.py: the plan's radix-cache choice for an every-turn run, both candidates measured on a
 #              multi-turn workload (issue 36; MULTITURN_ARGS adds its options)
+#   depth      depth.py: datagen's Dispatcher at queue_depth 4, 2, 1 on one server (--max-running-requests 32), single
+#              requests and multi-step chains, interleaved (DEPTH_ARGS adds its options); console in console-depth.txt
 #   datagen    datagen_on_engine.py --engine sglang: datagen's launcher (plan for 4096-token requests from its own
 #              GPU probe, pool check and recalibrated relaunch), client, dispatcher, cancel, hang detector (item 2)
 # Everything ends by start + SGL_BUDGET_S (default 570 s). Example (tool `run`, carry [".dev37"]):
@@ -54,6 +56,9 @@ for part in "$@"; do
     trial4k)
       PYTHONPATH=$S/site:$G/site:$G/src python3 "$R/engine_trial.py" --model "$S/model" --out "$OUT" \
         --phase defaults --phase plan:4096 --bench 3840x256x24 --port 30200 ;;
+    depth)
+      PYTHONPATH=$S/site:$G/site:$G/src python3 "$R/depth.py" --model "$S/model" --out "$OUT" ${DEPTH_ARGS:-} 2>&1 \
+        | tee "$OUT/console-depth.txt" ;;
     datagen)
       DATAGEN_ENGINE_PYTHON=$R/sglang-python.sh PYTHONPATH=$G/site:$G/src:$S/site \
         python3 "$R/datagen_on_engine.py" --engine sglang --model "$S/model" --out "$OUT" --work "$G/work" ;;
