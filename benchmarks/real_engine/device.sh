@@ -9,6 +9,8 @@
 #              multi-turn workload (issue 36; MULTITURN_ARGS adds its options)
 #   depth      depth.py: datagen's Dispatcher at queue_depth 4, 2, 1 on one server (--max-running-requests 32), single
 #              requests and multi-step chains, interleaved (DEPTH_ARGS adds its options); console in console-depth.txt
+#   headroom   headroom.py: the plan's fraction against SGLang's generic one and an expert's (issue 45): today's plan,
+#              its measured headroom, the new plan from it with a worst-case burst (HEADROOM_ARGS: its phases and sizes)
 #   datagen    datagen_on_engine.py --engine sglang: datagen's launcher (plan for 4096-token requests from its own
 #              GPU probe, pool check and recalibrated relaunch), client, dispatcher, cancel, hang detector (item 2)
 # Everything ends by start + SGL_BUDGET_S (default 570 s). Example (tool `run`, carry [".dev37"]):
@@ -59,6 +61,9 @@ for part in "$@"; do
     depth)
       PYTHONPATH=$S/site:$G/site:$G/src python3 "$R/depth.py" --model "$S/model" --out "$OUT" ${DEPTH_ARGS:-} 2>&1 \
         | tee "$OUT/console-depth.txt" ;;
+    headroom)
+      PYTHONPATH=$S/site:$G/site:$G/src python3 "$R/headroom.py" --model "$S/model" --out "$OUT" \
+        --calibrate-log "$D/defaults.log" ${HEADROOM_ARGS:---phase today --phase new} 2>&1 | tee "$OUT/console-headroom.txt" ;;
     datagen)
       DATAGEN_ENGINE_PYTHON=$R/sglang-python.sh PYTHONPATH=$G/site:$G/src:$S/site \
         python3 "$R/datagen_on_engine.py" --engine sglang --model "$S/model" --out "$OUT" --work "$G/work" ;;

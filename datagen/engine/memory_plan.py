@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal, NoReturn
 
+from datagen.engine.headroom import Headroom
+
 __all__ = [
     "CUDA_CONTEXT_BYTES",
     "ENGINE_MEMORY",
@@ -45,6 +47,7 @@ __all__ = [
     "PromptTokens",
     "Sizing",
     "Turns",
+    "UnstartableError",
     "calibrated_gpu",
     "card_bandwidth",
     "card_prefill_flops",
@@ -424,6 +427,48 @@ class Sizing:
         return max(0, min(self.max_running_requests, self.max_total_num_tokens // max(1, context_tokens)))
 
 
+class UnstartableError(ValueError):
+    """Flags SGLang cannot start a server with on this GPU: no memory is left for the KV cache."""
+
+
+def _no_kv_reason(
+    model: ModelShape, gpu: GpuMemory, flags: EngineFlags, fraction: float, slots: int, rest_gib: float
+) -> str:
+    """Why these flags leave no KV cache, what would start, and what SGLang itself would say (issue 45).
+
+    SGLang 0.5.23 (`_profile_available_bytes`) subtracts the state pool, finds nothing left and asks for a
+    fraction above 1 - free after the weights / free before them: the weights' share alone, lower than the
+    fraction given when the state pool is what does not fit.
+    """
+    pre = gpu.pre_model_load_bytes
+    state = (slots + 1) * model.state_bytes_per_slot
+    short = -rest_gib * _GIB
+    if flags.max_mamba_cache_size is not None:
+        cause, knob = f"--max-mamba-cache-size {slots}", "--max-mamba-cache-size"
+    else:
+        cause, knob = f"--max-running-requests {slots} with --disable-radix-cache (one slot a request)", (
+            "--max-running-requests"
+        )
+    fits = max(0, slots - math.ceil((short + model.kv_bytes_per_token) / model.state_bytes_per_slot))
+    least = math.ceil((fraction + (short + model.kv_bytes_per_token) / pre) * 1000) / 1000
+    sglang_asks = math.ceil(gpu.weights_bytes / pre * 1000) / 1000
+    remedy = f"lower {knob} to at most {fits}" if fits > 0 else f"no {knob} fits"
+    remedy += (
+        f" or raise --mem-fraction-static to at least {least:g}"
+        if least < 1
+        else f"; no --mem-fraction-static below 1 holds {slots} slots"
+    )
+    return (
+        f"this GPU cannot start these flags: {cause} sizes the state pool to {slots} slots "
+        f"({state / _GIB:.1f} GiB); with the weights ({gpu.weights_bytes / _GIB:.1f} GiB) that is "
+        f"{short / _GIB:.2f} GiB more than --mem-fraction-static {fraction:g} of the {pre / _GIB:.2f} GiB free "
+        f"before the weights ({fraction * pre / _GIB:.2f} GiB), so no KV cache is left. {remedy[0].upper()}"
+        f"{remedy[1:]}. (SGLang 0.5.23 stops at start with 'Loaded weights leave no GPU memory for the KV cache "
+        f"under --mem-fraction-static={fraction:g}. Raise --mem-fraction-static above {sglang_asks:.3f}': the "
+        "weights' share alone, below the fraction given, because the state pool is what does not fit.)"
+    )
+
+
 def sglang_sizing(model: ModelShape, gpu: GpuMemory, flags: EngineFlags) -> Sizing:
     """SGLang 0.5.23's pool sizes and running-request cap for one hybrid-GDN server (tp 1, page 1, no spec)."""
     if flags.speculative_algorithm:
@@ -448,7 +493,7 @@ def sglang_sizing(model: ModelShape, gpu: GpuMemory, flags: EngineFlags) -> Sizi
         raise ValueError(f"no memory left for the state pool (max_mamba_cache_size={slots})")
     rest -= (slots + 1) * per_slot / _GIB  # +1: each pool's padding slot
     if rest <= 0:
-        raise ValueError("the weights and the state pool leave no memory for the KV cache")
+        raise UnstartableError(_no_kv_reason(model, gpu, flags, fraction, slots, rest))
     tokens = int(rest * _GIB) // model.kv_bytes_per_token
     if tokens <= 0:
         raise ValueError("no KV cache tokens fit")
@@ -755,6 +800,9 @@ class MemoryPlan:
     roofline_tokens_per_s: float | None = None
     candidate_args: dict[str, list[str]] = field(default_factory=dict)  # each candidate's flags as launched
     kept_by_trial: str | None = None  # why, when a pilot's side-by-side trial chose the candidate
+    # The plan's --mem-fraction-static and its evidence: value, source (measured-headroom, sglang-default,
+    # server_args), why; with a measured headroom its need in bytes and each term.
+    fraction: dict[str, Any] = field(default_factory=dict)
     # The radix cache as launched, and why: kept (prefix reuse across a conversation's steps) or off (state slots).
     radix_cache: dict[str, Any] = field(default_factory=dict)
     # What the plan was computed from, so it can be computed again from the engine's own memory (`recalibrated`).
@@ -801,6 +849,8 @@ class MemoryPlan:
             f"{fit} running requests per GPU at {self.context_tokens:,} tokens of context ({self.context_source}); "
             f"SGLang defaults: {self.default.concurrency}; plan '{self.chosen}': {' '.join(self.plan_args) or '-'}"
         )
+        if self.fraction:
+            line += f"; --mem-fraction-static {self.fraction['value']:g} ({self.fraction['source']})"
         if self.overridden:
             line += f"; run spec's server_args win for {', '.join(self.overridden)}"
         if self.numerics:
@@ -824,6 +874,7 @@ class MemoryPlan:
             "reasons": self.reasons,
             "kept_by_trial": self.kept_by_trial,
             "radix_cache": self.radix_cache,
+            "mem_fraction_static": self.fraction,
         }
 
 
@@ -858,6 +909,7 @@ def plan_memory(
     longest_request_tokens: int | None = None,
     prefer: str | None = None,
     prefer_why: str = "",
+    headroom: Headroom | None = None,
 ) -> MemoryPlan:
     """Choose the launch flags that run the most requests of `context_tokens` at once on one GPU.
 
@@ -879,6 +931,9 @@ def plan_memory(
     prompt plus max_new_tokens; a candidate whose KV pool cannot hold it alone is never chosen.
     `prefer`: a candidate the pilot's side-by-side trial kept (`datagen.engine.plan_trial`); it wins, and
     `prefer_why` is recorded.
+    `headroom`: what the engine measurably needs outside its pools (`datagen.engine.headroom`); the plan's own
+    candidates then take the largest --mem-fraction-static that leaves it. Without one they keep SGLang's own
+    fraction for the defaults, rounded down. Either way `MemoryPlan.fraction` says which and why.
     """
     if context_tokens <= 0:
         raise ValueError(f"context_tokens must be positive, got {context_tokens}")
@@ -902,26 +957,36 @@ def plan_memory(
         cuda_graph_max_bs_decode=base.cuda_graph_max_bs_decode,
     )
 
-    def candidate(name: str, flags: EngineFlags, note: str = "") -> Candidate:
-        sizing = sglang_sizing(model, gpu, flags)
-        return Candidate(name, flags, sizing, sizing.concurrency(context_tokens), note)
-
-    candidates = [candidate("defaults", free, "SGLang 0.5.23 defaults: radix cache on, pools split 0.9:1")]
-    if base.mem_fraction_static is None:
-        # Pinned at the defaults' value, rounded down: SGLang's reserve (activations of a prefill chunk, CUDA
-        # graphs, ViT headroom, 10 GiB floor) is the safety margin. A running-request cap below 256 shrinks
-        # the decode graphs and SGLang would then reserve less; the pin keeps that difference as extra margin.
-        default_fraction = candidates[0].sizing.mem_fraction_static
-        free = replace(free, mem_fraction_static=math.floor(default_fraction * 1000) / 1000)
-    candidates.append(candidate("no-radix", replace(free, disable_radix_cache=True), "radix cache off, 0.9:1 split"))
-    flags, _ = _best_balanced(model, gpu, free, context_tokens, radix=False)
-    candidates.append(candidate("no-radix-balanced", flags, "radix cache off, state pool = running requests"))
-    radix_flags, _ = _best_balanced(model, gpu, free, context_tokens, radix=True)
-    candidates.append(candidate("radix-balanced", radix_flags, "radix cache on, pools balanced"))
+    candidates = [
+        _candidate(model, gpu, context_tokens, "defaults", free, "SGLang 0.5.23 defaults: radix cache on, pools 0.9:1")
+    ]
+    default_fraction = candidates[0].sizing.mem_fraction_static
+    fractions = {
+        "defaults": {
+            "value": default_fraction,
+            "source": "sglang-default",
+            "why": "SGLang's own fraction for its defaults (its generic reserve: 1.5 MiB per prefill-chunk token, "
+            "CUDA graphs, a 10 GiB floor, 0.95x for a vision tower)",
+        }
+    }
+    if base.mem_fraction_static is not None:
+        own = _own_candidates(model, gpu, free, context_tokens)
+        given = {"value": base.mem_fraction_static, "source": "server_args", "why": "the run spec's server_args"}
+        fractions = {name: dict(given) for name in ("defaults", *_OWN)}
+    elif headroom is None:
+        # Pinned at the defaults' value, rounded down: SGLang's generic reserve is the margin, unmeasured here.
+        pinned = math.floor(default_fraction * 1000) / 1000
+        own = _own_candidates(model, gpu, replace(free, mem_fraction_static=pinned), context_tokens)
+        why = f"SGLang's own fraction for its defaults ({default_fraction:g}), rounded down: no measured headroom"
+        fractions |= {name: {"value": pinned, "source": "sglang-default", "why": why} for name in _OWN}
+    else:
+        own, measured = _measured_fraction(model, gpu, free, context_tokens, headroom, default_fraction)
+        fractions |= measured
+    candidates += own
     reasons = [
         f"state slot {model.state_bytes_per_slot / _MIB:.1f} MiB ({model.linear_layers} GDN layers), "
         f"KV {model.kv_bytes_per_token / 1024:.0f} KiB/token ({model.full_attention_layers} attention layers), "
-        f"weights {gpu.weights_bytes / _GIB:.1f} GiB of {gpu.total_bytes / _GIB:.1f} GiB"
+        f"weights {gpu.weights_bytes / _GIB:.1f} GiB of {gpu.total_bytes / _GIB:.1f} GiB",
     ]
     eligible = candidates
     if longest_request_tokens is not None:
@@ -990,6 +1055,8 @@ def plan_memory(
             raise ValueError(f"the pilot's trial kept {prefer!r}, not a candidate of this plan")
         chosen = kept
         reasons.append(f"kept by the pilot's side-by-side trial: {prefer_why or prefer}")
+    fraction = fractions[chosen.name]
+    reasons.append(f"--mem-fraction-static {fraction['value']:g} ({fraction['source']}): {fraction['why']}")
     chosen_flags, plan_args, overridden = _launch_args(chosen, gpu, server_args)
     reasons.append(
         f"'{chosen.name}' runs {chosen.concurrency} requests of {context_tokens:,} tokens at once "
@@ -1013,6 +1080,7 @@ def plan_memory(
         reasons=reasons,
         candidate_args={c.name: _launch_args(c, gpu, server_args)[1] for c in candidates},
         kept_by_trial=(prefer_why or prefer) if prefer is not None else None,
+        fraction=fraction,
         radix_cache={
             "kept": not launched_flags.disable_radix_cache,
             "turns": turns,
@@ -1033,12 +1101,84 @@ def plan_memory(
             "longest_request_tokens": longest_request_tokens,
             "prefer": prefer,
             "prefer_why": prefer_why,
+            "headroom": headroom,
         },
     )
     plan.roofline_tokens_per_s = decode_roofline(
         model, gpu, plan.launched.concurrency(context_tokens) if plan.launched else 0, context_tokens
     )
     return plan
+
+
+def _candidate(
+    model: ModelShape, gpu: GpuMemory, context_tokens: int, name: str, flags: EngineFlags, note: str = ""
+) -> Candidate:
+    sizing = sglang_sizing(model, gpu, flags)
+    return Candidate(name, flags, sizing, sizing.concurrency(context_tokens), note)
+
+
+_OWN = {
+    "no-radix": "radix cache off, 0.9:1 split",
+    "no-radix-balanced": "radix cache off, state pool = running requests",
+    "radix-balanced": "radix cache on, pools balanced",
+}
+
+
+def _own_candidate(model: ModelShape, gpu: GpuMemory, free: EngineFlags, context_tokens: int, name: str) -> Candidate:
+    """One of the plan's own candidates (`_OWN`) at `free`'s fraction."""
+    if name == "no-radix":
+        flags = replace(free, disable_radix_cache=True)
+    else:
+        flags, _ = _best_balanced(model, gpu, free, context_tokens, radix=name == "radix-balanced")
+    return _candidate(model, gpu, context_tokens, name, flags, _OWN[name])
+
+
+def _own_candidates(model: ModelShape, gpu: GpuMemory, free: EngineFlags, context_tokens: int) -> list[Candidate]:
+    """The plan's own candidates at `free`'s fraction: radix off with the 0.9 split, and both balanced pools."""
+    return [_own_candidate(model, gpu, free, context_tokens, name) for name in _OWN]
+
+
+def _measured_fraction(
+    model: ModelShape,
+    gpu: GpuMemory,
+    free: EngineFlags,
+    context_tokens: int,
+    headroom: Headroom,
+    default_fraction: float,
+) -> tuple[list[Candidate], dict[str, dict[str, Any]]]:
+    """The plan's candidates, each at the largest fraction that leaves `headroom`'s measured need for its launch.
+
+    The need grows with the decode CUDA graphs, which grow with the running-request cap, which grows with the
+    fraction: each candidate starts from the fraction for the smallest graphs, lowered until its launch fits.
+    """
+    chunk = free.chunked_prefill_size or _graph_defaults(gpu.total_bytes / _MIB)[0]
+    pre = gpu.pre_model_load_bytes
+    own: list[Candidate] = []
+    fractions: dict[str, dict[str, Any]] = {}
+    for name in _OWN:
+        value = headroom.fraction(pre, chunk, 1)
+        while True:  # the fraction only falls, by at least 0.001 a round
+            cand = _own_candidate(model, gpu, replace(free, mem_fraction_static=value), context_tokens, name)
+            batch = decode_graph_max_bs(_launch_args(cand, gpu, ())[0], gpu.total_bytes)
+            needed = headroom.fraction(pre, chunk, batch)
+            if needed >= value:
+                break
+            value = needed
+        own.append(cand)
+        need = headroom.need_bytes(chunk, batch)
+        fractions[name] = {
+            "value": value,
+            "source": "measured-headroom",
+            "why": f"leaves {need / _GIB:.2f} GiB of the {pre / _GIB:.2f} GiB free before the weights outside the "
+            f"pools: {headroom.describe(chunk, batch)}; SGLang's own fraction would be {default_fraction:g}",
+            "sglang_default": default_fraction,
+            "need_bytes": need,
+            "terms": headroom.terms(chunk, batch),
+            "chunk_tokens": chunk,
+            "decode_graph_batch": batch,
+            "headroom": headroom.as_dict(),
+        }
+    return own, fractions
 
 
 def _launch_args(
