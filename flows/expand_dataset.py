@@ -545,7 +545,6 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
         # A Completed state with a message: the run list and the run page say "nothing new" at a glance.
         return cast("dict[str, Any]", Completed(message=message, data={**summary, "message": message}))
     # After planning: the plan sizes for the prompts as rendered, the pilot's measured output and its trial.
-    kept, kept_why = plan_trial.kept_candidate(projection.engine if projection else None)
     # The radix cache's trade: the steps per conversation the pilot measured, else the recording's count.
     turns, turns_source = pilot.plan_turns(projection, planning.conversation_turns(plan, layout))
     memory_plan, memory_why = memory_plan_task(
@@ -556,8 +555,7 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
         planning.prompt_tokens(plan, layout, spec),
         turns_per_conversation=turns,
         turns_source=turns_source,
-        prefer=kept,
-        prefer_why=kept_why,
+        **plan_trial.kept_plan(projection.engine if projection else None),
     )
     logger.info("memory plan: %s", memory_why)
     if memory_plan is not None and memory_plan.radix_cache.get("why"):
@@ -587,7 +585,11 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
         plan_args = generated.plan_args
     clock.mark("generation")
 
-    note = f"kept by the pilot's side-by-side trial: {kept_why}" if memory_plan and memory_plan.kept_by_trial else None
+    note = (
+        f"kept by the pilot's side-by-side trial: {memory_plan.kept_by_trial}"
+        if memory_plan and memory_plan.kept_by_trial
+        else None
+    )
     tokenized = finish_dataset(
         spec,
         layout,

@@ -22,6 +22,8 @@ from datagen.chat import ChatTokenizer
 from datagen.checks.repetition import word_tokens
 from datagen.conversation.turn_mode import turn_mode
 from datagen.engine import plan_trial
+from datagen.engine.client import sampling_params_for
+from datagen.engine.launcher import ServerFleet
 from datagen.layout import RunLayout
 from datagen.operations import alerts, failure, report
 from datagen.publishing.catalog import published_prompt_ids, repair
@@ -39,6 +41,7 @@ from tasks import generation, pilot, planning
 from tasks.serving import serving
 
 __all__ = ["pilot_flow"]
+
 
 plan_pilot_task = task(name="plan pilot sample", cache_policy=NO_CACHE)(pilot.plan_pilot)
 project_task = task(name="project full run", cache_policy=NO_CACHE)(pilot.project)
@@ -87,8 +90,43 @@ def _pilot(spec: RunSpec, pilot_spec: pilot.PilotSpec) -> dict[str, Any]:
     trial_on, trial_note = plan_trial.wanted(
         pilot_spec.plan_trial, settings.num_servers, pilot_plan, bool(settings.server_urls)
     )
-    arms = plan_trial.trial_arms(pilot_plan, settings.num_servers) if trial_on and pilot_plan else []
+    higher = None
+    if trial_on and pilot_plan:
+        higher, higher_why = memory_plan_task(
+            settings,
+            spec,
+            None,
+            None,
+            prompt_tokens,
+            turns_per_conversation=turns,
+            turns_source=pilot.RECORDED_TURNS,
+            higher=True,
+        )
+        logger.info("higher fraction to try: %s", higher_why)
+    arms = plan_trial.trial_arms(pilot_plan, settings.num_servers, higher) if trial_on and pilot_plan else []
     logger.info("candidate plans side by side: %s", "; ".join(f"{a.name} on {a.servers}" for a in arms) or trial_note)
+    held: dict[str, dict[str, Any]] = {}
+
+    def worst_case(fleet: ServerFleet) -> None:
+        """Every arm's servers take the worst case; a server whose arm did not hold runs the first arm that did."""
+        held.update(
+            plan_trial.burst(
+                arms,
+                fleet.endpoints,
+                prompt_tokens=min(
+                    prompt_tokens.max if prompt_tokens else spec.prompt_token_limit, spec.prompt_token_limit
+                ),
+                sampling=sampling_params_for(spec.sampling),
+                token_range=(1000, max(1001, chat.vocab_size - 1000)),
+            )
+        )
+        safe = next((a.plan_args for a in arms if held.get(a.name, {}).get("held")), [])
+        for arm in arms:
+            logger.info("worst-case burst, arm '%s': %s", arm.name, held.get(arm.name, {}).get("why", "not run"))
+            if not held.get(arm.name, {}).get("held", True):
+                for i in arm.servers:
+                    fleet.relaunch(i, safe)
+
     results: list[generation.ShardResult] = []
     with (
         serving(
@@ -97,6 +135,7 @@ def _pilot(spec: RunSpec, pilot_spec: pilot.PilotSpec) -> dict[str, Any]:
             layout,
             plan_args=pilot_plan.plan_args if pilot_plan else (),
             server_plan_args=plan_trial.server_plan_args(arms, settings.num_servers) if arms else None,
+            ready=worst_case if arms else None,
         ) as served,
         pilot.ThroughputProbe(served.dispatcher, served.fleet.endpoints) as probe,
     ):
@@ -122,7 +161,7 @@ def _pilot(spec: RunSpec, pilot_spec: pilot.PilotSpec) -> dict[str, Any]:
     servers = pilot_spec.project_servers or settings.num_servers
     projection = project_task(layout, plan, population, summary, throughput, servers, pilot_spec, turns=turn_mode(spec))
     trial = (
-        plan_trial.judge(arms, server_names, probe.server_readings, [(s.t, s.queued) for s in probe.samples])
+        plan_trial.judge(arms, server_names, probe.server_readings, [(s.t, s.queued) for s in probe.samples], held)
         if arms
         else None
     )
@@ -136,8 +175,7 @@ def _pilot(spec: RunSpec, pilot_spec: pilot.PilotSpec) -> dict[str, Any]:
         prompt_tokens,
         turns_per_conversation=main_turns,
         turns_source=main_turns_source,
-        prefer=trial["kept"] if trial else None,
-        prefer_why=trial["why"] if trial else "",
+        **plan_trial.kept_plan({"trial": trial} if trial else None),
     )
     projection.engine = pilot.engine_section(pilot_plan, main_plan, main_why)
     if main_plan is not None:  # without a plan there was nothing to try (the section says why)

@@ -16,6 +16,8 @@ from datagen.checks.gpu import GpuProbeError, gpu_checks, run_probe
 from datagen.checks.model_dir import check_free_ram, check_free_space, model_dir_checks
 from datagen.checks.server_flags import SERVER_FLAG_CHECK_NAMES, server_flag_checks
 from datagen.conversation.turn_mode import turn_mode
+from datagen.engine import plan_trial
+from datagen.engine.headroom import Headroom, headroom_for
 from datagen.engine.memory_plan import (
     ENGINE_MEMORY,
     EngineFlags,
@@ -23,6 +25,7 @@ from datagen.engine.memory_plan import (
     MemoryPlan,
     ModelShape,
     PromptTokens,
+    UnstartableError,
     card_bandwidth,
     expected_context,
     for_engine,
@@ -121,9 +124,8 @@ def _planned_gpu(settings: Settings, probe: dict[str, Any] | None, model_dir: Pa
     # What the installed engine takes from the pools (ENGINE_MEMORY: 0.5.17 reserves 1 GiB for multimodal
     # transfers first, issue 37); an engine without a profile is sized as the target 0.5.23. The launcher checks
     # the pools each server logs either way.
-    packages = (probe or {}).get("packages")
-    version = packages.get("sglang") if isinstance(packages, dict) else None
-    if isinstance(version, str) and version in ENGINE_MEMORY:
+    version = _engine_version(probe)
+    if version is not None and version in ENGINE_MEMORY:
         return for_engine(planned, version)
     return planned
 
@@ -139,6 +141,9 @@ def memory_plan_for(
     turns_source: str = "",
     prefer: str | None = None,
     prefer_why: str = "",
+    headroom: Headroom | None = None,
+    headroom_why: str = "",
+    higher: bool = False,
 ) -> tuple[MemoryPlan | None, str]:
     """This run's memory plan (None with the reason when there is nothing to plan); probes the GPUs if needed.
 
@@ -147,6 +152,10 @@ def memory_plan_for(
     `turns_per_conversation`: expected turns of a run that generates every turn (steps, each extending the last),
     `turns_source` where that figure came from (`tasks.pilot.plan_turns`). `prefer`/`prefer_why`: the
     candidate a pilot's side-by-side trial kept (`datagen.engine.plan_trial`).
+    The fraction comes from the engine's measured headroom (`datagen.engine.headroom.HEADROOM`, by the probed
+    SGLang version; none: SGLang's own fraction), or `headroom` (the one a pilot's trial kept, `headroom_why`
+    saying so). `higher`: the plan at the fraction the pilot's trial tries above that (`plan_trial.trial_headroom`);
+    None when there is none to try.
     """
     model_dir = Path(spec.model_path)
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
@@ -160,6 +169,14 @@ def memory_plan_for(
     gpu = _planned_gpu(settings, probe, model_dir)
     if isinstance(gpu, str):
         return None, gpu
+    version = _engine_version(probe)
+    if higher:
+        headroom = plan_trial.trial_headroom(version, headroom_for(version))
+        if headroom is None:
+            return None, "no higher fraction to try (no measured headroom without a margin)"
+        headroom_why = "the pilot's trial: a higher fraction"
+    elif headroom is None:
+        headroom = headroom_for(version)
     if prompt_tokens is None:
         prompt_tokens = PromptTokens(
             0,
@@ -184,12 +201,24 @@ def memory_plan_for(
         longest_request_tokens=prompt_tokens.max + max_new if prompt_tokens.n else None,
         prefer=prefer,
         prefer_why=prefer_why,
+        headroom=headroom,
+        headroom_why=headroom_why,
     )
     return plan, plan.summary()
 
 
+def _engine_version(probe: dict[str, Any] | None) -> str | None:
+    """The SGLang version the GPU probe found under the engine's interpreter (None: not probed)."""
+    packages = (probe or {}).get("packages")
+    version = packages.get("sglang") if isinstance(packages, dict) else None
+    return version if isinstance(version, str) else None
+
+
 def _memory_plan(settings: Settings, spec: RunSpec, probe: dict[str, Any] | None) -> list[CheckResult]:
-    plan, why = memory_plan_for(settings, spec, probe or {})
+    try:
+        plan, why = memory_plan_for(settings, spec, probe or {})
+    except UnstartableError as exc:  # the spec's own flags: refused here, before any server is launched
+        return [CheckResult(MEMORY_PLAN_CHECK, "fail", f"server_args {' '.join(spec.server_args)}: {exc}")]
     if plan is None:
         return [CheckResult(MEMORY_PLAN_CHECK, "skipped", why)]
     return [CheckResult(MEMORY_PLAN_CHECK, "pass", f"{why} ({'; '.join(plan.reasons)})")]

@@ -702,8 +702,17 @@ def _engine_rows(engine: dict[str, Any]) -> list[str]:
         f"| expected output tok/s per GPU (memory-bandwidth roofline at that batch) | "
         f"{f'{roofline:,.0f}' if roofline else 'unknown card bandwidth'} |",
         *_radix_row(plan.get("radix_cache")),
+        *_fraction_row(plan.get("mem_fraction_static")),
         *plan_trial.report_rows(engine),
     ]
+
+
+def _fraction_row(fraction: dict[str, Any] | None) -> list[str]:
+    """The main run's --mem-fraction-static, where it came from and its evidence (none in old pilots)."""
+    if not fraction:
+        return []
+    why = str(fraction.get("why") or "-").replace("|", "/")
+    return [f"| --mem-fraction-static for the main run | {fraction['value']:g} ({fraction['source']}): {why} |"]
 
 
 def _radix_row(radix: dict[str, Any] | None) -> list[str]:

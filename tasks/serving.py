@@ -46,6 +46,7 @@ def serving(
     server_plan_args: Sequence[Sequence[str]] | None = None,
     memory_plan: MemoryPlan | None = None,
     start: Callable[[ServerFleet], object] = ServerFleet.start,
+    ready: Callable[[ServerFleet], object] | None = None,
 ) -> Iterator[Serving]:
     """Servers up (started or attached), a dispatcher over them with `on_server_down=fleet.restart`, then stopped.
 
@@ -55,12 +56,15 @@ def serving(
     checked against its prediction, and a short server is relaunched once with the plan recalibrated from its log
     (`ServerFleet`, issue 37); `served.fleet.memory_plan` is then the plan the servers run.
     `start` starts the fleet; a flow passes its named task there, so a server that fails to start shows as a red
-    task with its log lines.
+    task with its log lines. `ready`: run on the started fleet before the dispatcher contacts it (the pilot's
+    worst-case burst, which may relaunch servers with other flags).
     """
     key = provisioning.api_key_for(settings)
     fleet = provisioning.provision(settings, spec, layout, key, plan_args, server_plan_args, memory_plan)
     try:
         start(fleet)
+        if ready is not None:
+            ready(fleet)
         with Dispatcher(
             fleet.endpoints,
             on_server_down=fleet.restart,

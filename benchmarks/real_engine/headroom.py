@@ -23,6 +23,7 @@ along (NVML, else nvidia-smi) so each phase's used memory at ready and at its pe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -42,7 +43,6 @@ import engine_trial  # noqa: E402
 
 from datagen.engine.headroom import HEADROOM, Headroom, LoggedGraphs  # noqa: E402
 from datagen.engine.memory_plan import (  # noqa: E402
-    EngineFlags,
     GpuMemory,
     LoggedPools,
     MemoryPlan,
@@ -92,10 +92,8 @@ class MemoryWatch:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
+            with contextlib.suppress(Exception):
                 self.samples.append((time.time(), self._read()))
-            except Exception:
-                pass
             self._stop.wait(self.interval)
 
     def start(self) -> MemoryWatch:
@@ -145,7 +143,8 @@ def _bench(base: str, log: Path, size: tuple[int, int, int], vocab: int, watch: 
     print(
         f"  bench {prompt}x{output}x{n}: {r['output_tokens_per_s']} tok/s out, {r['total_tokens_per_s']} total, "
         f"ok {r['ok']}/{n}, running <= {r['log_max_running_req']}, steady {r['log_median_gen_throughput']}, "
-        f"retracted {r['retracted_requests']}, oom {len(r['oom_lines'])}, peak used {r['peak_used_bytes'] / _GIB:.2f} GiB",
+        f"retracted {r['retracted_requests']}, oom {len(r['oom_lines'])}, "
+        f"peak used {r['peak_used_bytes'] / _GIB:.2f} GiB",
         flush=True,
     )
     return r
@@ -164,6 +163,11 @@ def main() -> int:
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--calibrate-log", type=Path, required=True, help="a defaults server's log on this card")
+    p.add_argument(
+        "--calibrate-card",
+        default="H100 80GB HBM3",
+        help="the card that log came from: on another, `today` plans from the probe",
+    )
     p.add_argument("--context-length", type=int, default=32768)
     p.add_argument("--context-tokens", type=int, default=712, help="a request's prompt + output, for the plan")
     p.add_argument("--phase", action="append", default=[])
@@ -188,13 +192,20 @@ def main() -> int:
     if calibration is None:
         raise SystemExit(f"{a.calibrate_log}: no pools in this log")
     ctx = a.context_tokens
+    same_card = a.calibrate_card in seen["name"]
 
-    def plan(headroom: Headroom | None, logged: LoggedPools, launched: list[str]) -> MemoryPlan:
+    def plan(headroom: Headroom | None, logged: LoggedPools | None, launched: list[str]) -> MemoryPlan:
         base = plan_memory(model, probed, ctx, context_source=f"{ctx} tokens a request (bench)", headroom=headroom)
-        return base.recalibrated(logged, launched)
+        return base.recalibrated(logged, launched) if logged is not None else base
 
     watch = MemoryWatch().start()
-    summary: dict[str, Any] = {"gpu": seen, "engine": ENGINE, "context_tokens": ctx, "phases": {}}
+    summary: dict[str, Any] = {
+        "gpu": seen,
+        "engine": ENGINE,
+        "context_tokens": ctx,
+        "calibrated_from": str(a.calibrate_log) if same_card else None,
+        "phases": {},
+    }
     measured: Headroom | None = None
     today_log: tuple[LoggedPools, list[str]] | None = None
     try:
@@ -202,14 +213,14 @@ def main() -> int:
             name = phase.replace(":", "-")
             record: dict[str, Any] = {"phase": phase}
             if phase == "today":
-                chosen = plan(None, calibration, [])
+                chosen = plan(None, calibration if same_card else None, [])
             elif phase.startswith("new"):
                 source = phase.split(":", 1)[1] if ":" in phase else "measured"
                 headroom = HEADROOM[ENGINE] if source == "profile" else measured
                 if headroom is None:
                     summary["phases"][name] = {"skipped": "no headroom measured (run `today` first)"}
                     continue
-                logged, launched = today_log if today_log is not None else (calibration, [])
+                logged, launched = today_log if today_log is not None else (calibration if same_card else None, [])
                 chosen = plan(headroom, logged, launched)
                 record["headroom"] = asdict(headroom)
             elif phase == "expert":
@@ -257,7 +268,11 @@ def main() -> int:
                     log,
                     a.bench
                     if not phase.startswith("new") or chosen is None or chosen.launched is None
-                    else (a.bench[0], a.bench[1], max(a.bench[2], round(a.new_bench_waves * chosen.launched.max_running_requests))),
+                    else (
+                        a.bench[0],
+                        a.bench[1],
+                        max(a.bench[2], round(a.new_bench_waves * chosen.launched.max_running_requests)),
+                    ),
                     vocab,
                     watch,
                 )
@@ -268,7 +283,10 @@ def main() -> int:
                 if logged is not None:
                     gpu = for_engine(probed, ENGINE)
                     gpu = GpuMemory(
-                        gpu.total_bytes, gpu.free_bytes, gpu.weights_bytes, gpu.bandwidth_bytes_per_s,
+                        gpu.total_bytes,
+                        gpu.free_bytes,
+                        gpu.weights_bytes,
+                        gpu.bandwidth_bytes_per_s,
                         measured_pre_model_load_bytes=logged.pre_model_load_bytes,
                     )
                     roof = decode_roofline(model, gpu, running, ctx)
@@ -276,7 +294,7 @@ def main() -> int:
                 peak = watch.peak(t0)
                 record["peak_used_bytes"] = peak
                 record["activation_peak_bytes"] = max(0, peak - at_ready)
-                if phase == "today" and graphs is not None and logged is not None:
+                if phase == "today" and graphs is not None and logged is not None and graphs.decode_graph_batch:
                     measured = Headroom.measured(
                         ENGINE,
                         graphs,

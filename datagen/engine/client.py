@@ -111,6 +111,7 @@ class GenerateResult:
     server: str = ""
     latency_s: float = 0.0  # client-side wall seconds of the successful attempt
     cached_tokens: int = 0  # prompt tokens the server found in its radix cache (`meta_info.cached_tokens`)
+    num_retractions: int = 0  # times the server retracted it to free KV cache (`meta_info.num_retractions`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,6 +353,7 @@ class SGLangClient:
             raise bad(f"says completion_tokens={completion_tokens} but has {len(output_ids)} output_ids")
         e2e = meta.get("e2e_latency", latency)
         cached = meta.get("cached_tokens")  # the prompt's prefix the server's radix cache held (0 without one)
+        retractions = meta.get("num_retractions")
         return GenerateResult(
             output_ids=output_ids,
             text=text,
@@ -364,4 +366,5 @@ class SGLangClient:
             server=self.name,
             latency_s=latency,
             cached_tokens=int(cached) if _is_int(cached) and cached > 0 else 0,
+            num_retractions=int(retractions) if _is_int(retractions) and retractions > 0 else 0,
         )

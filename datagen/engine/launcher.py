@@ -754,6 +754,20 @@ class ServerFleet(Sequence[ServerEndpoint]):
                 self._stop_server(target)
                 raise
 
+    def relaunch(self, index: int, plan_args: Sequence[str]) -> None:
+        """Restart the `index`-th server with other plan flags and wait until it is healthy (the pilot's trial: an
+        arm that did not hold its worst-case burst runs another from then on, restarts included)."""
+        if self.attached:
+            raise ValueError("attach mode: the servers' flags are set elsewhere")
+        target = self._servers[index]
+        with self._launch_lock:
+            if self.server_plan_args is not None:
+                self.server_plan_args[target.index] = list(plan_args)
+            target.argv = server_command(
+                self.settings, self.spec, target.index, self._key_config, target.nccl_port, list(plan_args)
+            )
+        self.restart(target.name)
+
     # internals --------------------------------------------------------------------------------------
 
     def _find(self, name: str) -> _Server:

@@ -446,8 +446,9 @@ def _no_kv_reason(
     if flags.max_mamba_cache_size is not None:
         cause, knob = f"--max-mamba-cache-size {slots}", "--max-mamba-cache-size"
     else:
-        cause, knob = f"--max-running-requests {slots} with --disable-radix-cache (one slot a request)", (
-            "--max-running-requests"
+        cause, knob = (
+            f"--max-running-requests {slots} with --disable-radix-cache (one slot a request)",
+            ("--max-running-requests"),
         )
     fits = max(0, slots - math.ceil((short + model.kv_bytes_per_token) / model.state_bytes_per_slot))
     least = math.ceil((fraction + (short + model.kv_bytes_per_token) / pre) * 1000) / 1000
@@ -910,6 +911,7 @@ def plan_memory(
     prefer: str | None = None,
     prefer_why: str = "",
     headroom: Headroom | None = None,
+    headroom_why: str = "",
 ) -> MemoryPlan:
     """Choose the launch flags that run the most requests of `context_tokens` at once on one GPU.
 
@@ -934,6 +936,8 @@ def plan_memory(
     `headroom`: what the engine measurably needs outside its pools (`datagen.engine.headroom`); the plan's own
     candidates then take the largest --mem-fraction-static that leaves it. Without one they keep SGLang's own
     fraction for the defaults, rounded down. Either way `MemoryPlan.fraction` says which and why.
+    `headroom_why`: how that headroom was chosen (the pilot's trial: it survived a worst-case burst on the box and
+    was fastest), recorded with the fraction.
     """
     if context_tokens <= 0:
         raise ValueError(f"context_tokens must be positive, got {context_tokens}")
@@ -981,6 +985,8 @@ def plan_memory(
         fractions |= {name: {"value": pinned, "source": "sglang-default", "why": why} for name in _OWN}
     else:
         own, measured = _measured_fraction(model, gpu, free, context_tokens, headroom, default_fraction)
+        for entry in measured.values():
+            entry["why"] += f"; {headroom_why}" if headroom_why else ""
         fractions |= measured
     candidates += own
     reasons = [
@@ -1102,6 +1108,7 @@ def plan_memory(
             "prefer": prefer,
             "prefer_why": prefer_why,
             "headroom": headroom,
+            "headroom_why": headroom_why,
         },
     )
     plan.roofline_tokens_per_s = decode_roofline(

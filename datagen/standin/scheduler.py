@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -70,6 +71,10 @@ class Scheduler:
         self.prefill_tokens_total = 0
         self.decoded_tokens_total = 0
         self.last_gen_throughput = 0.0
+        # (free bytes after the pools and graphs, activation bytes per prefill token, prefill chunk): a prefill
+        # batch that needs more than is free kills the server as CUDA's out-of-memory error kills SGLang's
+        # scheduler (DATAGEN_STANDIN_ACTIVATION_BYTES_PER_TOKEN). None: activations are not modelled.
+        self.activation_budget: tuple[int, float, int] | None = None
 
     # --- submission -------------------------------------------------------------------------
     def submit(self, reqs: list[Req]) -> None:
@@ -143,6 +148,23 @@ class Scheduler:
                 len(self.waiting),
             )
 
+    @staticmethod
+    def _prefill_fits(tokens: int, free: int, per_token: float, chunk: int) -> None:
+        """Exit as SGLang does when a prefill forward pass (at most one chunk) needs more than the free memory."""
+        need = per_token * min(tokens, chunk)
+        if need <= free:
+            return
+        logger.error(
+            "Scheduler hit an exception: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate %.2f GiB "
+            "(prefill of %d tokens). GPU 0 has %.2f GiB free.",
+            need / (1 << 30),
+            min(tokens, chunk),
+            free / (1 << 30),
+        )
+        logger.error("Received sigquit from a child process. It usually means the child failed.")
+        logging.shutdown()
+        os._exit(1)
+
     # --- the loop ---------------------------------------------------------------------------
     def _token_seconds(self, batch: int) -> float:
         """Time for every running request to advance one token."""
@@ -177,8 +199,13 @@ class Scheduler:
                 self._wake.clear()
                 await self._wake.wait()
                 clock = loop.time()
+            admitted = 0
             while self.waiting and len(self.running) < self.max_running:
-                self.running.append(self.waiting.popleft())
+                r = self.waiting.popleft()
+                self.running.append(r)
+                admitted += r.prompt_len - r.cached
+            if admitted and self.activation_budget is not None:
+                self._prefill_fits(admitted, *self.activation_budget)
             per_token = self._token_seconds(len(self.running))
             n = min(per_step, min(len(r.plan.ids) - r.pos for r in self.running))
             if clock < loop.time() - 1.0:  # far behind (process was starved): do not burst to catch up

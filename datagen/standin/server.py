@@ -14,7 +14,15 @@ from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-from datagen.engine.memory_plan import EngineFlags, GpuMemory, ModelShape, Sizing, is_hybrid_gdn, sglang_sizing
+from datagen.engine.memory_plan import (
+    EngineFlags,
+    GpuMemory,
+    ModelShape,
+    Sizing,
+    decode_graph_max_bs,
+    is_hybrid_gdn,
+    sglang_sizing,
+)
 from datagen.standin.knobs import KnobError, Knobs
 from datagen.standin.prefix_cache import PrefixCache
 
@@ -143,6 +151,26 @@ def _emulated_sizing(args: argparse.Namespace, config: dict[str, Any], knobs: Kn
     return sglang_sizing(
         ModelShape.from_config(config, mamba_ssm_dtype=args.mamba_ssm_dtype), _emulated_gpu(knobs), flags
     )
+
+
+def _outside_pools(
+    args: argparse.Namespace, knobs: Knobs, resolved: dict[str, Any]
+) -> tuple[int, int, int, int] | None:
+    """Free memory after the pools, P (1 - fraction), what the prefill and decode CUDA graphs take of it, and the
+    largest decode batch captured.
+
+    None when the emulated card models no activations or graphs (the knobs are 0).
+    """
+    per_token, per_batch = knobs.prefill_graph_bytes_per_token, knobs.decode_graph_bytes_per_batch
+    if not (knobs.activation_bytes_per_token or per_token or per_batch):
+        return None
+    pre = _emulated_gpu(knobs).pre_model_load_bytes
+    free = round(pre * (1 - float(resolved["mem_fraction_static"])))
+    flags = EngineFlags(
+        max_running_requests=args.max_running_requests, cuda_graph_max_bs_decode=args.cuda_graph_max_bs_decode
+    )
+    batch = decode_graph_max_bs(flags, _emulated_gpu(knobs).total_bytes)
+    return free, round(per_token * int(resolved["chunked_prefill_size"])), round(per_batch * batch), batch
 
 
 def _emulated_gpu(knobs: Knobs) -> GpuMemory:
@@ -277,13 +305,45 @@ async def _serve_http(
                 sizing.slots_per_request,
             )
     logger.info("KV Cache is allocated. #tokens: %d, K size: 10.70 GB, V size: 10.70 GB", max_total)
+    outside = _outside_pools(args, knobs, resolved) if sizing is not None else None
+    if outside is not None:
+        free, prefill_graphs, decode_graphs, batch = outside
+        logger.info("Memory pool end. avail mem=%.2f GB", free / _GIB)
+        for phase, used in (("prefill", prefill_graphs), ("decode", decode_graphs)):
+            if used > free:
+                logger.error(
+                    "Scheduler hit an exception: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate "
+                    "%.2f GiB (capturing %s CUDA graphs). GPU 0 has %.2f GiB free.",
+                    used / _GIB,
+                    phase,
+                    free / _GIB,
+                )
+                logger.error("Received sigquit from a child process. It usually means the child failed.")
+                return 1
+            if phase == "decode":  # SGLang's line names the batch sizes it captures, up to the largest
+                sizes = sorted({b for b in (1, 2, 4, 8, 12, 16, *range(24, batch + 1, 8)) if b <= batch} | {batch})
+                logger.info(
+                    "Capture target decode CUDA graph begin. backend=full, num_tokens_per_req=1, bs=%s, avail "
+                    "mem=%.2f GB",
+                    sizes,
+                    free / _GIB,
+                )
+            free -= used
+            logger.info(
+                "Capture target %s CUDA graph end. elapsed=0.00 s, mem usage=%.2f GB, avail mem=%.2f GB.",
+                phase,
+                used / _GIB,
+                free / _GIB,
+            )
+        scheduler.activation_budget = (free, knobs.activation_bytes_per_token, int(resolved["chunked_prefill_size"]))
     logger.info(
         "max_total_num_tokens=%d, chunked_prefill_size=%s, max_running_requests=%d, context_len=%d, "
-        "available_gpu_mem=20.10 GB",
+        "available_gpu_mem=%.2f GB",
         max_total,
         resolved["chunked_prefill_size"],
         per_dp,
         context,
+        free / _GIB if outside is not None else 20.10,
     )
 
     async def warmup() -> None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 
 from datagen.engine import plan_trial
+from datagen.engine.headroom import HEADROOM
 from datagen.engine.memory_plan import GpuMemory, MemoryPlan, ModelShape, plan_memory
 
 CONFIG_27B = Path(__file__).parents[1] / "fixtures" / "qwen3.6-27b-config.json"
@@ -65,6 +66,8 @@ def test_judge_keeps_the_fastest_measured_arm_even_when_sizing_predicted_otherwi
         "plan_args": plan.plan_args,
         "servers": ["gpu0"],
         "predicted_running": plan.planned.concurrency,
+        "candidate": "no-radix-balanced",
+        "mem_fraction_static": plan.fraction["value"],
         "readings": 3,
         "running": 60.0,
         "peak_running": 60,
@@ -88,3 +91,45 @@ def test_judge_falls_back_to_every_busy_reading_and_names_no_winner_without_any(
     assert result["kept"] == "defaults" and result["method"].startswith("every reading with a running batch")
     empty = plan_trial.judge([arm], ["gpu0"], [], [])
     assert empty["kept"] is None and empty["why"] == "no arm reported a running batch"
+
+
+def test_a_higher_fraction_arm_comes_second_and_an_arm_that_did_not_hold_is_never_kept(plan: MemoryPlan) -> None:
+    model = ModelShape.from_config(json.loads(CONFIG_27B.read_text(encoding="utf-8")))
+    tried = plan_trial.trial_headroom("0.5.23", None)
+    assert tried is not None and tried.engine == "0.5.23" and "tried on SGLang 0.5.23" in tried.source
+    higher = plan_memory(model, GPU, 4096, context_source="test", headroom=tried)
+    assert higher.fraction["value"] > plan.fraction["value"]
+    arms = plan_trial.trial_arms(plan, 3, higher)
+    up = f"no-radix-balanced@{higher.fraction['value']:g}"
+    assert [a.name for a in arms] == ["no-radix-balanced", up, "defaults"]
+    assert arms[1].plan_args == higher.plan_args and arms[1].headroom == tried and arms[1].candidate == plan.chosen
+    names = ["gpu0", "gpu1", "gpu2"]
+    readings = [_Reading(1.0, "gpu0", 60, 900.0), _Reading(1.0, "gpu1", 80, 1200.0), _Reading(1.0, "gpu2", 15, 500.0)]
+    fig = {"server": "gpu1", "requests": 80, "answered": 79, "retracted": 0, "healthy_after": False, "errors": ["x"]}
+    held = {
+        up: {"held": False, "servers": [fig], "prompt_tokens": 8000, "why": "did not hold a burst"},
+        "no-radix-balanced": {"held": True, "servers": [], "prompt_tokens": 8000, "why": "held a burst"},
+    }
+    # The fastest reading comes from the arm that did not hold (its server was relaunched): it is not kept.
+    result = plan_trial.judge(arms, names, readings, [(0.0, 9)], held)
+    assert result["kept"] == "no-radix-balanced" and f"did not hold the worst-case burst: '{up}'" in result["why"]
+    assert "readings" in result["arms"][up] and "tokens_per_s_per_server" not in result["arms"][up]
+    assert plan_trial.kept_plan({"trial": result}) == {
+        "prefer": "no-radix-balanced",
+        "prefer_why": plan_trial.kept_candidate({"trial": result})[1],
+    }
+    # Held and fastest: the main run plans with that headroom, the pilot's evidence in the fraction's reasons.
+    held[up]["held"] = True
+    result = plan_trial.judge(arms, names, readings, [(0.0, 9)], held)
+    kept = plan_trial.kept_plan({"trial": result})
+    assert result["kept"] == up and kept["prefer"] == "no-radix-balanced" and kept["headroom"] == tried
+    main = plan_memory(model, GPU, 3000, context_source="test", **kept)
+    assert main.fraction["source"] == "measured-headroom" and "kept by the pilot's trial" in main.fraction["why"]
+    assert main.lineage()["mem_fraction_static"]["value"] == main.fraction["value"] > plan.fraction["value"]
+
+
+def test_no_higher_arm_when_the_higher_plan_is_not_higher(plan: MemoryPlan) -> None:
+    assert [a.name for a in plan_trial.trial_arms(plan, 3, plan)] == ["no-radix-balanced", "defaults", "radix-balanced"]
+    assert plan_trial.trial_headroom("0.5.17", replace(HEADROOM["0.5.17"], margin_bytes=0)) is None
+    own = plan_trial.trial_headroom("0.5.17", HEADROOM["0.5.17"])
+    assert own is not None and own.margin_bytes == 0 and "margin left out" in own.source
