@@ -33,15 +33,16 @@ Environment knobs (all optional; defaults keep tests fast):
                                         the model (0; 1073741824 acts as SGLang 0.5.17's CUDA IPC multimodal
                                         pool, issue 37): the pools shrink, the plan's prediction does not, and
                                         the launcher's pool check relaunches with a recalibrated plan
-    DATAGEN_STANDIN_ACTIVATION_BYTES_PER_TOKEN  with GPU_MEMORY_BYTES: the activation peak of a prefill forward pass
-                                        per token (0: not modelled). The memory outside the pools is
-                                        P (1 - mem_fraction_static), P the free memory before the weights; the
-                                        CUDA graphs below take their share at start (too little: the start fails
-                                        with CUDA's out-of-memory error), and a prefill batch whose tokens (up to
-                                        the chunk) need more than what is left kills the server with that error,
-                                        as SGLang's scheduler dies (exit 1)
-    DATAGEN_STANDIN_PREFILL_GRAPH_BYTES_PER_TOKEN  prefill CUDA graphs per token of the prefill chunk (0)
-    DATAGEN_STANDIN_DECODE_GRAPH_BYTES_PER_BATCH   decode CUDA graphs per request of the largest captured batch (0)
+    DATAGEN_STANDIN_ACTIVATION_BYTES    with GPU_MEMORY_BYTES: the activation peak of a prefill forward pass of a
+                                        full chunk (--chunked-prefill-size tokens; fewer tokens, that share; 0: not
+                                        modelled). The memory outside the pools is P (1 - mem_fraction_static), P
+                                        the free memory before the weights; the CUDA graphs below take their share
+                                        at start (too little: the start fails with CUDA's out-of-memory error), and
+                                        a prefill batch that needs more than what is left kills the server with
+                                        that error, as SGLang's scheduler dies (exit 1). (No name here says
+                                        "TOKEN": the launcher keeps such variables from servers as secrets.)
+    DATAGEN_STANDIN_PREFILL_GRAPH_BYTES  prefill CUDA graphs at the server's chunk size (0)
+    DATAGEN_STANDIN_DECODE_GRAPH_BYTES_PER_BATCH  decode CUDA graphs per request of the largest captured batch (0)
     DATAGEN_STANDIN_STEP_BASE_MS        fixed cost of one single-token decode step, ms (0)
     DATAGEN_STANDIN_STEP_PER_REQ_MS     extra cost per running request per single-token step, ms (0)
     DATAGEN_STANDIN_TIME_SCALE          multiplies all step times (1.0)

@@ -33,9 +33,9 @@ class Knobs:
     gpu_memory_bytes: int | None = None
     weights_bytes: int = 54_714_000_000
     engine_reserved_bytes: int = 0
-    activation_bytes_per_token: float = 0.0
-    prefill_graph_bytes_per_token: float = 0.0
-    decode_graph_bytes_per_batch: float = 0.0
+    activation_bytes: int = 0
+    prefill_graph_bytes: int = 0
+    decode_graph_bytes_per_batch: int = 0
     step_base_ms: float = 0.0
     step_per_req_ms: float = 0.0
     time_scale: float = 1.0
@@ -84,11 +84,9 @@ class Knobs:
             gpu_memory_bytes=opt_int("GPU_MEMORY_BYTES"),
             weights_bytes=num("WEIGHTS_BYTES", int, d.weights_bytes, 0),
             engine_reserved_bytes=num("ENGINE_RESERVED_BYTES", int, d.engine_reserved_bytes, 0),
-            activation_bytes_per_token=num("ACTIVATION_BYTES_PER_TOKEN", float, d.activation_bytes_per_token, 0),
-            prefill_graph_bytes_per_token=num(
-                "PREFILL_GRAPH_BYTES_PER_TOKEN", float, d.prefill_graph_bytes_per_token, 0
-            ),
-            decode_graph_bytes_per_batch=num("DECODE_GRAPH_BYTES_PER_BATCH", float, d.decode_graph_bytes_per_batch, 0),
+            activation_bytes=num("ACTIVATION_BYTES", int, d.activation_bytes, 0),
+            prefill_graph_bytes=num("PREFILL_GRAPH_BYTES", int, d.prefill_graph_bytes, 0),
+            decode_graph_bytes_per_batch=num("DECODE_GRAPH_BYTES_PER_BATCH", int, d.decode_graph_bytes_per_batch, 0),
             step_base_ms=num("STEP_BASE_MS", float, d.step_base_ms, 0),
             step_per_req_ms=num("STEP_PER_REQ_MS", float, d.step_per_req_ms, 0),
             time_scale=num("TIME_SCALE", float, d.time_scale, 0),

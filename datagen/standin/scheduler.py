@@ -73,7 +73,7 @@ class Scheduler:
         self.last_gen_throughput = 0.0
         # (free bytes after the pools and graphs, activation bytes per prefill token, prefill chunk): a prefill
         # batch that needs more than is free kills the server as CUDA's out-of-memory error kills SGLang's
-        # scheduler (DATAGEN_STANDIN_ACTIVATION_BYTES_PER_TOKEN). None: activations are not modelled.
+        # scheduler (DATAGEN_STANDIN_ACTIVATION_BYTES). None: activations are not modelled.
         self.activation_budget: tuple[int, float, int] | None = None
 
     # --- submission -------------------------------------------------------------------------

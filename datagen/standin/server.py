@@ -161,8 +161,7 @@ def _outside_pools(
 
     None when the emulated card models no activations or graphs (the knobs are 0).
     """
-    per_token, per_batch = knobs.prefill_graph_bytes_per_token, knobs.decode_graph_bytes_per_batch
-    if not (knobs.activation_bytes_per_token or per_token or per_batch):
+    if not (knobs.activation_bytes or knobs.prefill_graph_bytes or knobs.decode_graph_bytes_per_batch):
         return None
     pre = _emulated_gpu(knobs).pre_model_load_bytes
     free = round(pre * (1 - float(resolved["mem_fraction_static"])))
@@ -170,7 +169,7 @@ def _outside_pools(
         max_running_requests=args.max_running_requests, cuda_graph_max_bs_decode=args.cuda_graph_max_bs_decode
     )
     batch = decode_graph_max_bs(flags, _emulated_gpu(knobs).total_bytes)
-    return free, round(per_token * int(resolved["chunked_prefill_size"])), round(per_batch * batch), batch
+    return free, knobs.prefill_graph_bytes, knobs.decode_graph_bytes_per_batch * batch, batch
 
 
 def _emulated_gpu(knobs: Knobs) -> GpuMemory:
@@ -335,7 +334,8 @@ async def _serve_http(
                 used / _GIB,
                 free / _GIB,
             )
-        scheduler.activation_budget = (free, knobs.activation_bytes_per_token, int(resolved["chunked_prefill_size"]))
+        chunk = int(resolved["chunked_prefill_size"])
+        scheduler.activation_budget = (free, knobs.activation_bytes / chunk, chunk)
     logger.info(
         "max_total_num_tokens=%d, chunked_prefill_size=%s, max_running_requests=%d, context_len=%d, "
         "available_gpu_mem=%.2f GB",

@@ -1,7 +1,7 @@
 """The fraction against the stand-in's memory outside the pools, and the pilot's worst-case burst (issue 45).
 
 The stand-in emulates an RTX PRO 6000 whose engine needs CUDA graphs and a prefill activation peak outside its
-pools (DATAGEN_STANDIN_*_BYTES_PER_TOKEN / _PER_BATCH): the memory plan with the headroom measured for that engine
+pools (DATAGEN_STANDIN_ACTIVATION_BYTES, _PREFILL_GRAPH_BYTES, _DECODE_GRAPH_BYTES_PER_BATCH): the memory plan with the headroom measured for that engine
 starts and holds a burst of long prompts filling its batch; a headroom that leaves the activations out gives a
 higher fraction whose server dies of CUDA's out-of-memory error in the burst, as SGLang's scheduler does; a fraction
 whose graphs do not fit fails at start. Real stand-in processes, real HTTP (`plan_trial.burst`).
@@ -29,9 +29,9 @@ ENGINE = Headroom("emulated", 2.89 * _GIB / CHUNK, 2.9 * 2**20, 2.5 * _GIB / CHU
 KNOBS = {
     "DATAGEN_STANDIN_GPU_MEMORY_BYTES": str(GPU_BYTES),
     "DATAGEN_STANDIN_WEIGHTS_BYTES": str(WEIGHTS),
-    "DATAGEN_STANDIN_ACTIVATION_BYTES_PER_TOKEN": str(ENGINE.activation_bytes_per_token),
-    "DATAGEN_STANDIN_PREFILL_GRAPH_BYTES_PER_TOKEN": str(ENGINE.prefill_graph_bytes_per_token),
-    "DATAGEN_STANDIN_DECODE_GRAPH_BYTES_PER_BATCH": str(ENGINE.decode_graph_bytes_per_batch),
+    "DATAGEN_STANDIN_ACTIVATION_BYTES": str(round(ENGINE.activation_bytes_per_token * CHUNK)),
+    "DATAGEN_STANDIN_PREFILL_GRAPH_BYTES": str(round(ENGINE.prefill_graph_bytes_per_token * CHUNK)),
+    "DATAGEN_STANDIN_DECODE_GRAPH_BYTES_PER_BATCH": str(round(ENGINE.decode_graph_bytes_per_batch)),
     "DATAGEN_STANDIN_LENGTH_MEAN": "20",
     "DATAGEN_STANDIN_LENGTH_MAX": "40",
 }
