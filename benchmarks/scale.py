@@ -284,7 +284,7 @@ def _time_glue() -> dict[str, float]:
     """
     from prefect.context import TaskRunContext
 
-    import flows.expand_dataset as fx
+    import flows.skeleton as fx
     from datagen.chat import ChatTokenizer
     from datagen.engine.dispatcher import Dispatcher
     from datagen.operations import report

@@ -276,7 +276,7 @@ class RunSpec(BaseModel):
             "Which assistant turns the target writes: 'every' regenerates each assistant turn of a conversation in "
             "order against its own earlier answers (recorded tool results spliced in), one training row per user "
             "turn: on-policy history, the data a draft model learns from (docs/conversations.md); 'last' only the "
-            "final one after the row's own history, one row per prompt. Multi-box runs: 'last' only."
+            "final one after the row's own history, one row per prompt. Both modes run on one box and on several."
         ),
     )
     order: Literal["source", "long_first"] = Field(

@@ -88,6 +88,13 @@ class Settings(BaseSettings):
         "server holding its conversation's prefix before it takes the first slot free anywhere; about the re-prefill "
         "it saves. 0: never wait (datagen/engine/dispatcher.py).",
     )
+    run_lease_s: float = Field(
+        180.0,
+        ge=10,
+        description="How long a run's hold on its namespace in S3 lasts unless renewed (every quarter of it): another "
+        "run of the namespace is refused while it holds; one that died frees it this long after its last renewal, "
+        "or at once when Prefect says its flow run is over (datagen/publishing/run_lease.py).",
+    )
 
     # --- Local state -------------------------------------------------------------------------
     work_dir: Path = Field(

@@ -19,18 +19,12 @@ import secrets
 import socket
 import time
 from collections import Counter
-from dataclasses import asdict
-from pathlib import Path
+from dataclasses import asdict, dataclass
 from typing import Any, cast
 from uuid import UUID
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import (
-    create_link_artifact,
-    create_markdown_artifact,
-    create_progress_artifact,
-    update_progress_artifact,
-)
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import FlowRun
@@ -40,29 +34,20 @@ from prefect.futures import PrefectFuture, wait
 from prefect.states import Crashed
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
-from datagen import paths
 from datagen.chat import ChatTokenizer
+from datagen.checks import CheckResult
 from datagen.conversation.turn_mode import turn_mode
 from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.memory_plan import MemoryPlan, PromptTokens
 from datagen.layout import RunLayout
 from datagen.operations import alerts, failure
-from datagen.operations.report import dataset_link, quiet_per_shard_completions, run_name
-from datagen.publishing.pinned import pin_facts
-from datagen.publishing.storage import ObjectStore, s3_preflight
+from datagen.operations.report import quiet_per_shard_completions, run_name
+from datagen.publishing.storage import ObjectStore
 from datagen.runspec import ExchangeSpec, MultiBoxSpec, RunSpec
 from datagen.settings import Settings
-from flows.expand_dataset import (
-    check_environment_task,
-    finish_dataset,
-    load_gate_task,
-    manifest_lineage,
-    memory_plan_task,
-    plan_task,
-    publish_dataset,
-    published_before,
-)
-from tasks import generation, pilot, planning, publishing
+from flows import skeleton
+from flows.skeleton import Generated, Planned, Run
+from tasks import generation, pilot
 from tasks.planning import ShardPlan
 from tasks.serving import serving
 from tasks.shard_exchange import CheckpointSync, CollectedShard, Lease, ShardExchange, ShardExchangeError
@@ -86,28 +71,36 @@ def _owner_token() -> str:
 # --- per-box flow ------------------------------------------------------------------------------------
 
 
-def _generate_claimed_shard(
-    lease: Lease,
-    exchange: ShardExchange,
-    plan: ShardPlan,
-    spec: RunSpec,
-    layout: RunLayout,
-    dispatcher: Dispatcher,
-    chat: ChatTokenizer,
-    sync_interval_s: float,
-    engine_version: str | None,
-    memory_plan: dict[str, Any] | None = None,
-) -> generation.ShardResult:
-    shard_id = lease.shard_id
-    exchange.fetch_prompts(plan, shard_id, layout)
+@dataclass(frozen=True)
+class BoxWork:
+    """What every shard this box generates needs beside its lease (one object: the task's parameters stay few)."""
+
+    exchange: ShardExchange
+    plan: ShardPlan
+    spec: RunSpec
+    layout: RunLayout
+    dispatcher: Dispatcher
+    chat: ChatTokenizer
+    sync_interval_s: float
+    engine_version: str | None
+    memory_plan: dict[str, Any] | None
+    pilot_layout: RunLayout | None  # the run's pilot, where it ran on this box: its completions are reused
+
+
+def _generate_claimed_shard(lease: Lease, work: BoxWork) -> generation.ShardResult:
+    shard_id, exchange, layout = lease.shard_id, work.exchange, work.layout
+    exchange.fetch_prompts(work.plan, shard_id, layout)
     # Rows other boxes (or this box before a crash) finished are in S3: the ledger skips them.
     known = exchange.restore_checkpoint(shard_id, layout)
-    with CheckpointSync(exchange, lease, layout, known, sync_interval_s) as sync:
+    if work.pilot_layout is not None:  # as a one-box run reuses its pilot's completions; uploaded as new rows
+        one = work.plan.model_copy(update={"shard_ids": [shard_id]})
+        pilot.import_pilot(work.pilot_layout, layout, one, work.spec, work.chat)
+    with CheckpointSync(exchange, lease, layout, known, work.sync_interval_s) as sync:
         result = generation.generate_shard(
-            shard_id, layout, dispatcher, chat, spec, flush_interval_s=min(2.0, sync_interval_s / 2)
+            shard_id, layout, work.dispatcher, work.chat, work.spec, flush_interval_s=min(2.0, work.sync_interval_s / 2)
         )
     sync.sync_once()  # the rest, now that the shard is complete; raises if S3 refuses
-    exchange.mark_done(result, engine_version, memory_plan)
+    exchange.mark_done(result, work.engine_version, work.memory_plan)
     return result
 
 
@@ -133,8 +126,8 @@ def generate_on_box(
     """Start this box's servers and generate claimed shards until every shard of the run is done.
 
     `prompt_tokens`/`turns_per_conversation`: the run's prompts as the parent planned them (this box fetches each
-    shard's files as it claims it), for this box's memory plan on its own GPUs; the turns are the recording's
-    count, replaced by the steps of the run's pilot where that pilot ran on this box.
+    shard's files as it claims it), for this box's memory plan on its own GPUs, planned as a one-box run plans
+    it: where the run's pilot ran on this box, from what it measured (output, steps, the plan its trial kept).
     """
     return failure.reported(_generate_on_box, spec, box, exchange, prompt_tokens, turns_per_conversation)
 
@@ -148,70 +141,39 @@ def _generate_on_box(
 ) -> dict[str, Any]:
     logger = get_run_logger()
     quiet_per_shard_completions()  # no line per shard task run: the progress lines stay readable
-    settings = Settings()
-    paths.secure_run(settings, spec, sources=False)  # this box reads the plan from S3, not the sources
-    this_box = settings.box_name or socket.gethostname()
-    if box and box != this_box:
-        raise BoxMismatch(f"this run is for box {box!r} but reached box {this_box!r} (DATAGEN_BOX_NAME)")
-    store = ObjectStore.from_settings(settings)
-    sx = _exchange(store, spec, this_box, exchange.lease_s)
-    plan = sx.fetch_plan()
-    if sx.done_ids() >= set(plan.shard_ids):
-        logger.info("every shard is already done; nothing to start on %s", this_box)
-        return {"box": this_box, "shards": [], "output_tokens": 0}
-
-    check_environment_task(settings, spec, store)
-    memory_plan, memory_why = _box_memory_plan(
-        settings, spec, PromptTokens(**prompt_tokens) if prompt_tokens else None, turns_per_conversation
-    )
-    logger.info("box %s memory plan: %s", this_box, memory_why)
-    plan_args = memory_plan.plan_args if memory_plan else []
-    box_plan = _box_plan(memory_plan, memory_why)
-    layout = RunLayout.for_run(settings.work_dir, spec.namespace)
-    layout.root.mkdir(parents=True, exist_ok=True)
-    chat = ChatTokenizer.shared(spec.model_path)
-    finished: list[generation.ShardResult] = []
-    failures: Counter[int] = Counter()
-    with serving(settings, spec, layout, plan_args=plan_args, memory_plan=memory_plan) as served:
-        dispatcher, fleet = served.dispatcher, served.fleet
-        logger.info("box %s: %d servers up, owner token %s", this_box, len(fleet), sx.owner)
-        inflight: dict[PrefectFuture[generation.ShardResult], int] = {}
-        while True:
-            while len(inflight) < exchange.shards_in_flight:
-                lease = sx.claim_next(plan.shard_ids, exclude=set(inflight.values()))
-                if lease is None:
-                    break
-                logger.info("box %s claimed shard %d (claim %d)", this_box, lease.shard_id, lease.seq)
-                future = generate_claimed_task.submit(
-                    lease,
-                    sx,
-                    plan,
-                    spec,
-                    layout,
-                    dispatcher,
-                    chat,
-                    exchange.sync_interval_s,
-                    fleet.engine_version,
-                    box_plan,
-                )
-                inflight[future] = lease.shard_id
-            if not inflight:
-                if sx.done_ids() >= set(plan.shard_ids):
-                    break
-                # Every open shard is leased by a live box: wait, and take over any lease that lapses.
-                time.sleep(min(exchange.sync_interval_s, exchange.lease_s / 4))
-                continue
-            done, _ = wait(list(inflight), timeout=exchange.sync_interval_s)
-            for future in done:
-                shard_id = inflight.pop(future)
-                state = future.state
-                if state.is_completed():
-                    finished.append(future.result())
-                    continue
-                failures[shard_id] += 1
-                logger.warning("shard %d failed on %s (%d times): %s", shard_id, this_box, failures[shard_id], state)
-                if failures[shard_id] >= MAX_SHARD_FAILURES_PER_BOX:
-                    future.result()  # raises the shard's error; its lease lapses and another box takes it
+    # This box reads the plan from S3, not the sources; the parent holds the namespace's lease.
+    with skeleton.open_run(spec, sources=False) as run:
+        settings = run.settings
+        this_box = settings.box_name or socket.gethostname()
+        if box and box != this_box:
+            raise BoxMismatch(f"this run is for box {box!r} but reached box {this_box!r} (DATAGEN_BOX_NAME)")
+        sx = _exchange(run.store, spec, this_box, exchange.lease_s)
+        plan = sx.fetch_plan()
+        if sx.done_ids() >= set(plan.shard_ids):
+            logger.info("every shard is already done; nothing to start on %s", this_box)
+            return {"box": this_box, "shards": [], "output_tokens": 0}
+        skeleton.check_environment_task(settings, spec, run.store)
+        pilot_layout, projection = _pilot_here(settings, spec)
+        memory_plan, memory_why = skeleton.box_memory_plan(
+            settings, spec, PromptTokens(**prompt_tokens) if prompt_tokens else None, turns_per_conversation, projection
+        )
+        with serving(
+            settings, spec, run.layout, plan_args=memory_plan.plan_args if memory_plan else [], memory_plan=memory_plan
+        ) as served:
+            logger.info("box %s: %d servers up, owner token %s", this_box, len(served.fleet), sx.owner)
+            work = BoxWork(
+                sx,
+                plan,
+                spec,
+                run.layout,
+                served.dispatcher,
+                run.chat,
+                exchange.sync_interval_s,
+                served.fleet.engine_version,
+                _box_plan(memory_plan, memory_why),
+                pilot_layout,
+            )
+            finished = _claim_until_done(work, exchange, this_box)
     report = {
         "box": this_box,
         "shards": sorted(r.shard_id for r in finished),
@@ -221,18 +183,48 @@ def _generate_on_box(
     return report
 
 
-def _box_memory_plan(
-    settings: Settings, spec: RunSpec, prompt_tokens: PromptTokens | None, recorded_turns: float
-) -> tuple[MemoryPlan | None, str]:
-    """This box's memory plan for its own GPUs; the radix cache's trade from the pilot's steps if it ran here.
+def _pilot_here(settings: Settings, spec: RunSpec) -> tuple[RunLayout | None, pilot.Projection | None]:
+    """The run's pilot where it ran on this box (its layout and projection), else (None, None)."""
+    if not spec.pilot:
+        return None, None
+    try:
+        projection = pilot.load_projection(settings.work_dir, spec.pilot)
+    except FileNotFoundError:
+        get_run_logger().info("pilot %s did not run on this box: planned from the run's prompts alone", spec.pilot)
+        return None, None
+    return RunLayout.for_run(settings.work_dir, spec.pilot), projection
 
-    Only the turns come from the pilot: the output is still planned at max_new_tokens, not the pilot's measured
-    mean that a single-box run uses.
-    """
-    turns, turns_source = pilot.plan_turns_on_box(settings.work_dir, spec.pilot, recorded_turns)
-    return memory_plan_task(
-        settings, spec, None, None, prompt_tokens, turns_per_conversation=turns, turns_source=turns_source
-    )
+
+def _claim_until_done(work: BoxWork, exchange: ExchangeSpec, this_box: str) -> list[generation.ShardResult]:
+    """Keep `shards_in_flight` claimed shards generating until every shard of the run is done (by any box)."""
+    logger = get_run_logger()
+    sx, shard_ids = work.exchange, work.plan.shard_ids
+    finished: list[generation.ShardResult] = []
+    failures: Counter[int] = Counter()
+    inflight: dict[PrefectFuture[generation.ShardResult], int] = {}
+    while True:
+        while len(inflight) < exchange.shards_in_flight:
+            lease = sx.claim_next(shard_ids, exclude=set(inflight.values()))
+            if lease is None:
+                break
+            logger.info("box %s claimed shard %d (claim %d)", this_box, lease.shard_id, lease.seq)
+            inflight[generate_claimed_task.submit(lease, work)] = lease.shard_id
+        if not inflight:
+            if sx.done_ids() >= set(shard_ids):
+                return finished
+            # Every open shard is leased by a live box: wait, and take over any lease that lapses.
+            time.sleep(min(exchange.sync_interval_s, exchange.lease_s / 4))
+            continue
+        done, _ = wait(list(inflight), timeout=exchange.sync_interval_s)
+        for future in done:
+            shard_id = inflight.pop(future)
+            if future.state.is_completed():
+                finished.append(future.result())
+                continue
+            failures[shard_id] += 1
+            logger.warning("shard %d failed on %s (%d times): %s", shard_id, this_box, failures[shard_id], future.state)
+            if failures[shard_id] >= MAX_SHARD_FAILURES_PER_BOX:
+                future.result()  # raises the shard's error; its lease lapses and another box takes it
 
 
 def _box_plan(plan: MemoryPlan | None, why: str) -> dict[str, Any]:
@@ -254,12 +246,6 @@ def plans_by_box(markers: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 # --- parent flow -------------------------------------------------------------------------------------
-
-
-def _preflight(store: ObjectStore, namespace: str) -> None:
-    failed = [r for r in s3_preflight(store, namespace, resume=True) if r.failed]
-    if failed:
-        raise ShardExchangeError("S3 checks failed:\n" + "\n".join(f"- {r.name}: {r.detail}" for r in failed))
 
 
 def _exchange(store: ObjectStore, spec: RunSpec, box: str, lease_s: float) -> ShardExchange:
@@ -285,7 +271,6 @@ def _collect(
     ]
 
 
-preflight_task = task(name="s3 preflight", cache_policy=NO_CACHE)(_preflight)
 publish_plan_task = task(name="upload plan", cache_policy=NO_CACHE)(ShardExchange.publish_plan)
 collect_task = task(name="collect shards", cache_policy=NO_CACHE)(_collect)
 
@@ -369,6 +354,50 @@ def _wait_for_shards(exchange: ShardExchange, plan: ShardPlan, children: dict[st
             )
 
 
+@dataclass(frozen=True)
+class Boxes:
+    """The boxes generate: each its own fleet and memory plan, claiming shards through S3 (tasks/shard_exchange.py);
+    this process plans, uploads the plan, starts one `generate-on-box` per box and collects their rows."""
+
+    boxes: MultiBoxSpec
+
+    def check(self, run: Run) -> list[CheckResult]:
+        results = skeleton.s3_preflight_task(run.store, run.spec.namespace, resume=True)
+        failed = [r for r in results if r.failed]
+        if failed:
+            raise ShardExchangeError("S3 checks failed:\n" + "\n".join(f"- {r.name}: {r.detail}" for r in failed))
+        return list(results)
+
+    def generate(self, run: Run, planned: Planned) -> Generated:
+        spec, layout, plan = run.spec, run.layout, planned.plan
+        exchange = _exchange(run.store, spec, "parent", self.boxes.exchange.lease_s)
+        publish_plan_task(exchange, plan, layout)
+        get_run_logger().info("%d shards for boxes %s", len(plan.shard_ids), self.boxes.boxes)
+        children = _launch_boxes(spec, self.boxes, planned.prompt_tokens, planned.recorded_turns)
+        _wait_for_shards(exchange, plan, children, self.boxes)
+        collected = collect_task(exchange, plan, layout, spec, run.chat)
+        rows_by_box: Counter[str] = Counter()
+        for c in collected:
+            rows_by_box.update(c.rows_by_box)
+        markers = [exchange.done_marker(s) for s in plan.shard_ids]
+        shards_by_box = dict(Counter(str(m["box"]) for m in markers))
+        box_plans = plans_by_box(markers)
+        return Generated(
+            [c.result for c in collected],
+            {"boxes": {"shards": shards_by_box, "rows": dict(rows_by_box)}, "memory_plan": {"by_box": box_plans}},
+            engine_version=", ".join(sorted({str(m["engine_version"]) for m in markers if m.get("engine_version")}))
+            or None,
+            plan_args_by_box={box: list(p.get("plan_args", [])) for box, p in box_plans.items()},
+            # Conversations two owners generated differently (a lease taken over mid-conversation): one kept.
+            published_extra={"generated_twice": sum(len(c.conflicts) for c in collected)},
+            report_extra={
+                "shards_by_box": shards_by_box,
+                "rows_by_box": dict(rows_by_box),
+                "duplicates_dropped": sum(c.duplicates_dropped for c in collected),
+            },
+        )
+
+
 @flow(
     name="expand-dataset-multibox",
     log_prints=True,
@@ -381,105 +410,4 @@ def expand_dataset_multibox(
     dry_run: bool = False,
 ) -> dict[str, Any]:
     """Spread a run's shards over several GPU boxes, then validate, tokenize and publish (never overwriting)."""
-    return failure.reported(_expand_dataset_multibox, spec, boxes, dry_run)
-
-
-def _expand_dataset_multibox(spec: RunSpec, boxes: MultiBoxSpec, dry_run: bool) -> dict[str, Any]:
-    logger = get_run_logger()
-    quiet_per_shard_completions()  # no line per shard task run: the progress lines stay readable
-    started = time.monotonic()
-    settings = Settings()
-    paths.secure_run(settings, spec)  # run paths under the box's roots, a private work dir: before anything
-    layout = RunLayout.for_run(settings.work_dir, spec.namespace)
-    layout.root.mkdir(parents=True, exist_ok=True)
-    store = ObjectStore.from_settings(settings)
-    exchange = _exchange(store, spec, "parent", boxes.exchange.lease_s)
-    ctx = FlowRunContext.get()
-    run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else None
-    if not dry_run and (done := published_before(store, spec, layout)) is not None:
-        return done
-
-    preflight_task(store, spec.namespace)
-    publishing.refuse_other_run(store, spec.namespace, spec.model_dump(mode="json"))  # before any box starts
-    chat = ChatTokenizer.shared(spec.model_path)
-    plan = plan_task(spec, layout)
-    load_gate_task(plan, spec.quality_gate, layout)  # bad input fails here, before any box starts a server
-    publish_plan_task(exchange, plan, layout)
-    logger.info("planned %d prompts in %d shards for boxes %s", plan.n_prompts, len(plan.shard_ids), boxes.boxes)
-
-    prompt_tokens = planning.prompt_tokens(plan, layout, spec)  # each box plans its own GPUs for these prompts
-    children = _launch_boxes(spec, boxes, prompt_tokens, planning.conversation_turns(plan, layout))
-    _wait_for_shards(exchange, plan, children, boxes)
-    collected = collect_task(exchange, plan, layout, spec, chat)
-    shard_results = [c.result for c in collected]
-    rows_by_box: Counter[str] = Counter()
-    for c in collected:
-        rows_by_box.update(c.rows_by_box)
-    markers = [exchange.done_marker(s) for s in plan.shard_ids]
-    shards_by_box = Counter(str(m["box"]) for m in markers)
-    engine_versions = sorted({str(m["engine_version"]) for m in markers if m.get("engine_version")})
-
-    box_plans = plans_by_box(markers)
-    tokenized = finish_dataset(
-        spec,
-        layout,
-        chat,
-        plan.n_load_rejects,
-        shard_results,
-        run_id,
-        plan_args_by_box={box: p.get("plan_args", []) for box, p in box_plans.items()},
-        skipped=(plan.n_skipped_published, plan.n_old_rejects_skipped),
-    )
-    # Conversations and steps counted from the collected checkpoint lines (None in `last` mode: no such block).
-    turn_counts = turn_mode(spec).conversation_counts(
-        [Path(r.completions_path) for r in shard_results], [Path(r.rejects_path) for r in shard_results], plan.n_prompts
-    )
-    lineage = manifest_lineage(
-        spec,
-        chat,
-        settings,
-        plan,
-        tokenized,
-        first_attempt=pin_facts(layout.pinned_facts, run_id),  # written by finish_dataset
-        engine_version=", ".join(engine_versions) or None,
-        hardware={
-            "boxes": {"shards": dict(shards_by_box), "rows": dict(rows_by_box)},
-            "memory_plan": {"by_box": box_plans},
-        },
-        conversations=turn_counts,
-        published={
-            "published": tokenized.conversations,
-            "published_user_turns": tokenized.turns,
-            # Conversations two owners generated differently (a lease taken over mid-conversation): one kept.
-            "generated_twice": sum(len(c.conflicts) for c in collected),
-        },
-    )
-    published = publish_dataset(spec, layout, store, lineage, dry_run)
-    create_link_artifact(
-        link=published.uri  # a dry run published nothing: no card to open
-        if dry_run
-        else dataset_link(store, published.uri, settings.s3_console_url, settings.s3_link_expiry_s),
-        link_text=f"dataset {spec.namespace}: {tokenized.n_rows:,} rows",
-        key="published-dataset",
-        description=f"Where {spec.namespace} was published ({published.uri}); `datagen inspect {spec.namespace}`",
-    )
-    report = {
-        "uri": published.uri,
-        "rows": tokenized.n_rows,
-        "rejects": tokenized.n_rejects,
-        "prompts": plan.n_prompts,
-        "shards": len(plan.shard_ids),
-        "shards_by_box": dict(shards_by_box),
-        "rows_by_box": dict(rows_by_box),
-        "duplicates_dropped": sum(c.duplicates_dropped for c in collected),
-        "output_tokens": sum(r.output_tokens for r in shard_results),
-        "wall_s": round(time.monotonic() - started, 1),
-        "dry_run": dry_run,
-    } | ({"conversations": lineage["conversations"]} if "conversations" in lineage else {})
-    create_markdown_artifact(
-        markdown="# Run report\n\n" + "\n".join(f"- **{k}**: {v}" for k, v in report.items()),
-        key="run-report",
-        description=f"Run report of {spec.namespace} (several boxes)",
-    )
-    logger.info("published %s", published.uri)
-    return report
+    return failure.reported(skeleton.run_dataset, spec, dry_run, Boxes(boxes))

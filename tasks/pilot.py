@@ -66,7 +66,6 @@ __all__ = [
     "import_pilot",
     "load_projection",
     "plan_pilot",
-    "plan_turns_on_box",
     "project",
     "render_projection",
     "simulate_wall",
@@ -626,24 +625,6 @@ def plan_turns(projection: Projection | None, recorded: float) -> tuple[float, s
         f"{user_turns:g} user turns each and {per_turn:g} steps per user turn (tool rounds included), "
         f"projected over {population:,}; the recording said {recorded:.3g}"
     )
-
-
-def plan_turns_on_box(work_dir: Path, pilot_name: str | None, recorded: float) -> tuple[float, str]:
-    """`plan_turns` on one box of a multi-box run: the named pilot's measured steps if it ran here, else `recorded`.
-
-    A pilot's files stay on the box that ran it (`load_projection`), so the other boxes plan from the parent's
-    recorded count, and their source says the pilot was named but is not on this box.
-    """
-    if not pilot_name:
-        return recorded, RECORDED_TURNS
-    try:
-        projection = load_projection(work_dir, pilot_name)
-    except FileNotFoundError:
-        return recorded, (
-            f"{RECORDED_TURNS}; pilot {pilot_name!r} named, but its {PILOT_JSON} is not on this box "
-            "(a pilot's files stay on the box that ran it)"
-        )
-    return plan_turns(projection, recorded)
 
 
 def render_projection(p: Projection) -> str:

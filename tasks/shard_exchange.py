@@ -49,6 +49,7 @@ from datagen.conversation.ledger import read_ledger
 from datagen.conversation.regeneration import follows, split_step_key
 from datagen.conversation.turn_mode import TurnMode
 from datagen.layout import RunLayout
+from datagen.publishing.run_lease import RUNS_PREFIX
 from datagen.publishing.storage import ObjectExists, ObjectStore
 from datagen.records import Completion
 from datagen.sources.preparation import install_rendered, rendered_path
@@ -72,7 +73,6 @@ __all__ = [
 
 logger = logging.getLogger("datagen.exchange")
 
-RUNS_PREFIX = "_runs"
 _KINDS = ("completions", "rejects")
 
 

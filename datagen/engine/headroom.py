@@ -173,19 +173,21 @@ class LoggedGraphs:
         )
 
 
-# Measured profiles, by engine version. 0.5.17 on the lent NVIDIA H100 80GB HBM3 (issue 45): graphs from the
-# start-up logs of servers capturing decode graphs to batch 38, 53 and 84 (shared/reference/h100-plan-vs-expert:
-# prefill 2.85-2.89 GiB at an 8,192-token chunk, decode 0.10 / 0.15 / 0.18 GiB: at most 2.9 MiB a batch), the
-# activations from the used memory's growth over a burst of full prefill chunks then a full decode batch
-# (benchmarks/real_engine/headroom.py, benchmarks/results/real-engine-h100-80gb-hbm3/headroom/).
+# Measured profiles, by engine version. 0.5.17 on the lent NVIDIA H100 80GB HBM3 (issue 45; 2026-12-07, the servers'
+# logs and figures in benchmarks/results/real-engine-h100-80gb-hbm3/headroom/): prefill CUDA graphs 2.85 and 2.91 GiB
+# at an 8,192-token chunk (two servers of that call; 2.85-2.89 in shared/reference/h100-plan-vs-expert), the larger
+# kept; decode graphs 0.10 GiB to batch 38 and 0.20 to 99 (0.15 to 53 and 0.18 to 84 in the reference), at most
+# 2.9 MiB a batch; activations: GPU memory in use grew by 2.27 GiB over a burst of 7,000-token prompts (full prefill
+# chunks) and a 38-request decode bench after the server was ready, and by 2.11 GiB on the 0.916 server under 99
+# running requests and 40 prompts of 7,000 tokens (no OOM, no retraction). The larger kept; 1 GiB of margin on top.
 HEADROOM: dict[str, Headroom] = {
     "0.5.17": Headroom(
         engine="0.5.17",
-        prefill_graph_bytes_per_token=2.89 * _GIB / 8192,
+        prefill_graph_bytes_per_token=2.91 * _GIB / 8192,
         decode_graph_bytes_per_batch=2.9 * _MIB,
-        activation_bytes_per_token=2.0 * _GIB / 8192,  # PROVISIONAL until the device measurement lands
+        activation_bytes_per_token=2.27 * _GIB / 8192,
         margin_bytes=1 * _GIB,
-        source="measured on an NVIDIA H100 80GB HBM3 (issue 45)",
+        source="measured on an NVIDIA H100 80GB HBM3, SGLang 0.5.17, Qwen3.6-27B (issue 45)",
     ),
 }
 

@@ -48,6 +48,7 @@ from datagen.engine.memory_plan import LoggedPools, MemoryPlan, pool_shortfall
 from datagen.layout import RunLayout
 from datagen.operations.redact import redact_lines, redact_text
 from datagen.paths import private_dir, private_file
+from datagen.processes import is_process, start_ticks
 from datagen.runspec import RunSpec
 from datagen.settings import Settings
 
@@ -475,18 +476,9 @@ atexit.register(_stop_all_fleets)
 # the box stops what a dead fleet left behind before its environment checks look at the GPUs.
 
 
-def _start_ticks(pid: int) -> int | None:
-    """The process's start time (clock ticks since boot), None when it is gone or a zombie."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] == "Z" else int(fields[19])
-
-
-def _is_process(pid: int, start: int | None) -> bool:
-    """True while `pid` is the same live process it was (a reused pid has another start time)."""
-    return start is not None and _start_ticks(pid) == start
+# The old names (datagen.operations.prefect_reaper and tests use them); the bodies are datagen.processes'.
+_start_ticks = start_ticks
+_is_process = is_process
 
 
 def reap_orphaned_servers(work_dir: Path, grace_s: float = STOP_GRACE_S) -> list[str]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -42,6 +43,7 @@ __all__ = [
     "Arm",
     "TrialChoice",
     "burst",
+    "burst_and_relaunch",
     "judge",
     "kept_candidate",
     "kept_headroom",
@@ -52,6 +54,8 @@ __all__ = [
     "trial_headroom",
     "wanted",
 ]
+
+logger = logging.getLogger(__name__)
 
 # Candidates in the order they get servers: the plan's choice first (then its higher fraction), then the defaults
 # it claims to beat.
@@ -219,6 +223,28 @@ def burst(
     for entry in out.values():
         entry["why"] = _held_why(entry)
     return out
+
+
+def burst_and_relaunch(fleet: Fleet, arms: Sequence[Arm], **burst_args: Any) -> dict[str, dict[str, Any]]:
+    """`burst` on the fleet's servers; the servers of an arm that did not hold are relaunched with the flags of the
+    first arm that did (SGLang's defaults when none did), so the sample never runs on flags that fell over."""
+    held = burst(arms, fleet.endpoints, **burst_args)
+    safe = next((a.plan_args for a in arms if held.get(a.name, {}).get("held")), [])
+    for arm in arms:
+        outcome = held.get(arm.name, {})
+        logger.info("worst-case burst, arm '%s': %s", arm.name, outcome.get("why", "not run"))
+        if not outcome.get("held", True):
+            for i in arm.servers:
+                fleet.relaunch(i, safe)
+    return held
+
+
+class Fleet(Protocol):
+    """What the trial needs of a fleet (`datagen.engine.launcher.ServerFleet`)."""
+
+    @property
+    def endpoints(self) -> list[ServerEndpoint]: ...
+    def relaunch(self, index: int, plan_args: Sequence[str]) -> None: ...
 
 
 def _held_why(entry: dict[str, Any]) -> str:

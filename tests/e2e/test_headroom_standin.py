@@ -1,7 +1,8 @@
 """The fraction against the stand-in's memory outside the pools, and the pilot's worst-case burst (issue 45).
 
 The stand-in emulates an RTX PRO 6000 whose engine needs CUDA graphs and a prefill activation peak outside its
-pools (DATAGEN_STANDIN_ACTIVATION_BYTES, _PREFILL_GRAPH_BYTES, _DECODE_GRAPH_BYTES_PER_BATCH): the memory plan with the headroom measured for that engine
+pools (DATAGEN_STANDIN_ACTIVATION_BYTES, _PREFILL_GRAPH_BYTES, _DECODE_GRAPH_BYTES_PER_BATCH): the memory plan with
+the headroom measured for that engine
 starts and holds a burst of long prompts filling its batch; a headroom that leaves the activations out gives a
 higher fraction whose server dies of CUDA's out-of-memory error in the burst, as SGLang's scheduler does; a fraction
 whose graphs do not fit fails at start. Real stand-in processes, real HTTP (`plan_trial.burst`).

@@ -294,3 +294,41 @@ def test_unfinishable_namespace_names_the_command_and_abandon_keeps_every_object
     marker = json.loads(after["abandoned.json"])
     assert marker["reason"] == "work dir lost"
     assert sorted(o["key"] for o in marker["objects_left"]) == sorted(before)
+
+
+def test_two_runs_of_one_namespace_started_together_never_interleave(
+    reference: tuple[Run, dict[str, bytes]],
+    local_s3: LocalS3,
+    session_prefect_server: PrefectServer,
+    tmp_path: Path,
+    prompts: Path,
+) -> None:
+    """Issue 46.4: three runs of one spec started together on one box wrote the same checkpoint, failed, and every
+    later run of the namespace failed the same way. Now one runs; the others are refused naming it, having written
+    nothing; the namespace is byte for byte an uninterrupted run's, and a later run of it needs no repair."""
+    ref, ref_objects = reference
+    run = _make_run(local_s3, session_prefect_server, tmp_path, prompts)
+    spec_path = tmp_path / "together.spec.json"
+    spec_path.write_text(_spec(prompts).model_dump_json())
+    with _cleanup(run.work_dir):
+        procs = [
+            _run_flow(run.env, spec_path, tmp_path / f"together-{i}.json", tmp_path / f"together-{i}.log")
+            for i in range(3)
+        ]
+        codes = [p.wait(timeout=WAIT_S) for p in procs]
+        _kill_all(run.work_dir)
+        assert sorted(codes).count(0) == 1, codes
+        winner = codes.index(0)
+        for i in range(len(codes)):
+            if i != winner:
+                log = (tmp_path / f"together-{i}.log").read_text(errors="replace")
+                # Refused by the namespace's lease (or this box's lock on its work dir), naming the other run.
+                assert "is being run by flow run" in log or "is in use by another run on this box" in log, log[-3000:]
+        final = run.objects()
+        expected = _as_in(ref, ref_objects, run)
+        assert sorted(final) == sorted(expected)
+        assert [k for k in sorted(final) if final[k] != expected[k]] == [], _diff(final, expected)
+        # The lease was released: the same spec again is the earlier attempt's "already published", at once.
+        rc, out = run.flow(_spec(prompts), "again")
+        assert rc == 0, out.get("log")
+        assert out["report"]["already_published"] is True

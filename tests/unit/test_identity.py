@@ -41,7 +41,7 @@ def test_request_keys_are_the_ones_the_old_code_gave() -> None:
 
 
 def test_generation_cache_key_is_the_one_the_old_flow_gave() -> None:
-    from flows.expand_dataset import _generation_cache_key
+    from flows.skeleton import _generation_cache_key
 
     golden = "generate-golden_ns-abababababababab-6239cac4ec44fb4f-shard-00007"
     assert generation_cache_key("golden_ns", "ab" * 32, OTHER_SAMPLING, FINGERPRINT, 7, LastTurn()) == golden

@@ -6,7 +6,6 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,9 +18,9 @@ from datagen.identity import RequestKeys
 from datagen.layout import RunLayout
 from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Completion, Message, Prompt, Reject
-from datagen.runspec import ExchangeSpec, PromptSource, RunSpec
+from datagen.runspec import PromptSource, RunSpec
 from datagen.settings import Settings
-from flows import multi_box
+from flows import multi_box, skeleton
 from tasks import pilot_turns
 from tasks.chains import Chain, ChainRun, DecodeModel
 from tasks.generation import pilot_step_tokens
@@ -34,7 +33,6 @@ from tasks.pilot import (
     Projection,
     import_pilot,
     plan_turns,
-    plan_turns_on_box,
     project,
     render_projection,
     write_projection,
@@ -429,46 +427,27 @@ def _pilot_on_box(tmp_path: Path, name: str = "p1") -> tuple[Path, Projection]:
     return work_dir, p
 
 
-def test_a_box_takes_the_pilots_steps_only_where_that_pilot_ran(tmp_path: Path) -> None:
+def test_a_box_plans_from_the_pilot_only_where_that_pilot_ran(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A box of a multi-box run plans as a one-box run does (`skeleton.box_memory_plan`): from its pilot's measured
+    steps and output where that pilot ran on the box, from the run's recorded turns elsewhere."""
     work_dir, p = _pilot_on_box(tmp_path)
-    # The pilot ran on this box: its measured steps, as a single-box run takes them.
-    assert plan_turns_on_box(work_dir, "p1", 3.0) == plan_turns(p, 3.0)
-    assert plan_turns_on_box(work_dir, "p1", 3.0)[0] == 1.667
-    # Named but run elsewhere (its files stay on its box): the parent's recorded count, and the source says why.
-    turns, source = plan_turns_on_box(work_dir, "elsewhere", 3.0)
-    assert turns == 3.0
-    assert source.startswith(RECORDED_TURNS)
-    assert "pilot 'elsewhere' named, but its pilot.json is not on this box" in source
-    # No pilot named: the recording's count, as before.
-    assert plan_turns_on_box(work_dir, None, 3.0) == (3.0, RECORDED_TURNS)
-
-
-class _PlanAsked(Exception):
-    """Raised by the stand-in memory plan: the box's run stops once its plan's inputs are known."""
-
-
-def test_generate_on_box_plans_the_radix_cache_from_the_pilot_on_its_box(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    work_dir, p = _pilot_on_box(tmp_path)
-    asked: list[dict[str, Any]] = []
+    settings = Settings(work_dir=work_dir, box_name="box-a")
+    layout, projection = multi_box._pilot_here(settings, RunSpec(pilot="p1"))
+    assert layout == RunLayout.for_run(work_dir, "p1") and projection == p
+    asked: list[tuple[tuple[object, ...], dict[str, Any]]] = []
 
     def memory_plan(*args: object, **kwargs: Any) -> tuple[None, str]:
-        asked.append(kwargs)
-        raise _PlanAsked
+        asked.append((args, kwargs))
+        return None, "no plan"
 
-    exchange = SimpleNamespace(fetch_plan=lambda: SimpleNamespace(shard_ids=[0]), done_ids=set)
     monkeypatch.setattr(multi_box, "get_run_logger", lambda: logging.getLogger("test"))
-    monkeypatch.setattr(multi_box, "Settings", lambda: Settings(work_dir=work_dir, box_name="box-a"))
-    monkeypatch.setattr(multi_box.paths, "secure_run", lambda *a, **k: None)
-    monkeypatch.setattr(multi_box.ObjectStore, "from_settings", lambda settings: None)
-    monkeypatch.setattr(multi_box, "_exchange", lambda *a: exchange)
-    monkeypatch.setattr(multi_box, "check_environment_task", lambda *a: [])
-    monkeypatch.setattr(multi_box, "memory_plan_task", memory_plan)
-    for name in ("p1", "elsewhere"):
-        with pytest.raises(_PlanAsked):
-            multi_box._generate_on_box(RunSpec(pilot=name), "box-a", ExchangeSpec(), None, 3.0)
-    measured, recorded = asked
+    monkeypatch.setattr(skeleton, "get_run_logger", lambda: logging.getLogger("test"))
+    monkeypatch.setattr(skeleton, "memory_plan_task", memory_plan)
+    skeleton.box_memory_plan(settings, RunSpec(pilot="p1"), None, 3.0, projection)
+    assert multi_box._pilot_here(settings, RunSpec(pilot="elsewhere")) == (None, None)
+    skeleton.box_memory_plan(settings, RunSpec(pilot="elsewhere"), None, 3.0, None)
+    (m_args, measured), (r_args, recorded) = asked
     assert (measured["turns_per_conversation"], measured["turns_source"]) == plan_turns(p, 3.0)
-    assert recorded["turns_per_conversation"] == 3.0
-    assert recorded["turns_source"].startswith(RECORDED_TURNS)
+    assert m_args[3] == float(p.output_tokens["mean"])  # the pilot's measured output, as a one-box run plans
+    assert (recorded["turns_per_conversation"], recorded["turns_source"]) == (3.0, RECORDED_TURNS)
+    assert r_args[3] is None
