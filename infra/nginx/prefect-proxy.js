@@ -213,11 +213,31 @@ function checkFields(payload, allowed, role) {
     }
 }
 
+// A state an operator sets by hand that ends a run says who set it (the failure alert prints the message).
+function stampedByHand(payload, caller) {
+    const state = payload.state;
+    if (!isObject(state) || TERMINAL.indexOf(state.type) < 0) {
+        return null;
+    }
+    const note = 'set by hand by ' + caller.name + ' (operator)';
+    const stamped = Object.assign({}, payload);
+    stamped.state = Object.assign({}, state, {message: state.message ? note + ': ' + state.message : note});
+    return stamped;
+}
+
+async function operatorStamp(r, caller) {
+    if (r.method !== 'POST' || caller.role !== 'operator') {
+        return pass(r);
+    }
+    const stamped = stampedByHand(objectBody(r), caller);
+    return stamped ? forward(r, stamped) : pass(r);
+}
+
 async function createFlowRun(r, caller) {
     const payload = objectBody(r);
     checkQueueName(payload.work_queue_name);
     if (caller.role === 'operator') {
-        return pass(r);
+        return operatorStamp(r, caller);
     }
     checkFields(payload, caller.role === 'box' ? BOX_CREATE_FIELDS : RUNNER_CREATE_FIELDS, caller.role);
     if (payload.parameters !== undefined && payload.parameters !== null && !isObject(payload.parameters)) {
@@ -231,9 +251,21 @@ async function createFlowRun(r, caller) {
         refuse(403, 'enforce_parameter_schema: the server checks every run\'s parameters against its deployment');
     }
     const deploymentId = r.uri.split('/')[3];
+    const deployment = await read(r, '/api/deployments/' + deploymentId);
+    // The server checks values against the schema, but lets names it does not list through (Prefect's flow
+    // schemas say nothing of others): the run would then fail on the box.
+    const schema = deployment.parameter_openapi_schema;
+    if (isObject(schema) && isObject(schema.properties) && isObject(payload.parameters)) {
+        const names = Object.keys(payload.parameters);
+        for (let i = 0; i < names.length; i++) {
+            if (!Object.prototype.hasOwnProperty.call(schema.properties, names[i])) {
+                refuse(422, 'parameter ' + JSON.stringify(names[i]) + ' is not one of the deployment\'s ('
+                    + Object.keys(schema.properties).join(', ') + ')');
+            }
+        }
+    }
     const queue = payload.work_queue_name;
     if (queue !== undefined && queue !== null) {
-        const deployment = await read(r, '/api/deployments/' + deploymentId);
         if (queue !== deployment.work_queue_name) {
             if (caller.role !== 'box' || !deployment.work_pool_name) {
                 refuse(403, 'a runner\'s run goes to its deployment\'s queue ('
@@ -315,14 +347,7 @@ async function setState(r, caller) {
     const state = proposed(payload);
     const runId = r.uri.split('/')[3];
     if (caller.role === 'operator') {
-        if (TERMINAL.indexOf(state.type) < 0) {
-            return pass(r);
-        }
-        // A state set by hand says so: a failure alert then names who set it (datagen.operations.alerts).
-        const stamped = Object.assign({}, payload);
-        const note = 'set by hand by ' + caller.name + ' (operator)';
-        stamped.state = Object.assign({}, state, {message: state.message ? note + ': ' + state.message : note});
-        return forward(r, stamped);
+        return operatorStamp(r, caller);
     }
     const run = await read(r, '/api/flow_runs/' + runId);
     const now = stateOf(run);
@@ -465,6 +490,7 @@ const ROUTES = [
     [/^\/api\/deployments\/[0-9a-f-]{36}\/create_flow_run$/, createFlowRun],
     [/^\/api\/flow_runs\/[0-9a-f-]{36}\/set_state$/, setState],
     [/^\/api\/flow_runs\/[0-9a-f-]{36}(\/labels)?$/, patchFlowRun],
+    [/^\/api\/flow_runs\/(bulk_set_state)?$/, operatorStamp],
     [/^\/api\/logs\/$/, logs],
     [/^\/api\/artifacts\/([0-9a-f-]{36})?$/, artifacts],
 ];
