@@ -257,7 +257,11 @@ def main() -> int:
                     log,
                     a.bench
                     if not phase.startswith("new") or chosen is None or chosen.launched is None
-                    else (a.bench[0], a.bench[1], max(a.bench[2], round(a.new_bench_waves * chosen.launched.max_running_requests))),
+                    else (
+                        a.bench[0],
+                        a.bench[1],
+                        max(a.bench[2], round(a.new_bench_waves * chosen.launched.max_running_requests)),
+                    ),
                     vocab,
                     watch,
                 )
@@ -268,7 +272,10 @@ def main() -> int:
                 if logged is not None:
                     gpu = for_engine(probed, ENGINE)
                     gpu = GpuMemory(
-                        gpu.total_bytes, gpu.free_bytes, gpu.weights_bytes, gpu.bandwidth_bytes_per_s,
+                        gpu.total_bytes,
+                        gpu.free_bytes,
+                        gpu.weights_bytes,
+                        gpu.bandwidth_bytes_per_s,
                         measured_pre_model_load_bytes=logged.pre_model_load_bytes,
                     )
                     roof = decode_roofline(model, gpu, running, ctx)
