@@ -23,6 +23,7 @@ along (NVML, else nvidia-smi) so each phase's used memory at ready and at its pe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -42,7 +43,6 @@ import engine_trial  # noqa: E402
 
 from datagen.engine.headroom import HEADROOM, Headroom, LoggedGraphs  # noqa: E402
 from datagen.engine.memory_plan import (  # noqa: E402
-    EngineFlags,
     GpuMemory,
     LoggedPools,
     MemoryPlan,
@@ -92,10 +92,8 @@ class MemoryWatch:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
+            with contextlib.suppress(Exception):
                 self.samples.append((time.time(), self._read()))
-            except Exception:
-                pass
             self._stop.wait(self.interval)
 
     def start(self) -> MemoryWatch:
@@ -145,7 +143,8 @@ def _bench(base: str, log: Path, size: tuple[int, int, int], vocab: int, watch: 
     print(
         f"  bench {prompt}x{output}x{n}: {r['output_tokens_per_s']} tok/s out, {r['total_tokens_per_s']} total, "
         f"ok {r['ok']}/{n}, running <= {r['log_max_running_req']}, steady {r['log_median_gen_throughput']}, "
-        f"retracted {r['retracted_requests']}, oom {len(r['oom_lines'])}, peak used {r['peak_used_bytes'] / _GIB:.2f} GiB",
+        f"retracted {r['retracted_requests']}, oom {len(r['oom_lines'])}, "
+        f"peak used {r['peak_used_bytes'] / _GIB:.2f} GiB",
         flush=True,
     )
     return r
