@@ -307,7 +307,8 @@ def test_a_runner_cannot_rewrite_an_outcome_but_cancels_and_retries(roles: Roles
     "value",
     [
         {"__prefect_kind": "jinja", "template": '{{ "A" * 2000000 }}'},
-        {"__prefect_kind": "json", "value": {"__prefect_kind": "jinja", "template": '{{ "A" * 2000000 }}'}},
+        # A JSON string the server would parse after rendering the template inside it.
+        {"__prefect_kind": "json", "value": {"__prefect_kind": "jinja", "template": '"{{ "A" * 2000000 }}"'}},
         {"__prefect_kind": "workspace_variable", "variable_name": "anything"},
     ],
     ids=["jinja", "jinja-inside-json", "workspace-variable"],

@@ -201,8 +201,11 @@ def test_pilot_names_and_field_names_are_plain_names() -> None:
 def test_served_model_name_is_a_name_not_more_arguments() -> None:
     # The name goes into every server's argv: a flag or a second word there would be read by SGLang's parser.
     for bad in ("--trust-remote-code", "x --host 0.0.0.0", "-x", "base:lora", "a b", "", "n" * 129, "x\ny", "é"):
-        with pytest.raises(ValidationError, match="served_model_name"):
+        with pytest.raises(ValidationError, match="served_model_name") as refused:
             RunSpec(served_model_name=bad)
+        # The refusal names what was given (issue 49: it printed a literal "{v!r}"), at most its first 100 chars.
+        message = refused.value.errors()[0]["msg"]
+        assert "{v!r}" not in message and (":" in bad or message.endswith(f"not {bad[:100]!r}")), message
     for good in ("qwen3.6-27b", "Qwen/Qwen3.6-27B", "m_1.v2"):
         assert RunSpec(served_model_name=good).served_model_name == good
 
