@@ -339,6 +339,13 @@ def test_a_runner_s_run_goes_to_its_deployment_s_queue(roles: Roles) -> None:
     # The deployment's own queue, as the UI's form sends it, is the one the run gets.
     own = _create(d.runner, d.env_check_id(), {"work_queue_name": "default", "state": LATER})
     assert own.status_code == 201 and own.json()["work_queue_name"] == "default", own.text
+    # Nor does a runner's run pass for an automation's (the server takes these headers as its provenance).
+    name = base64.b64encode(b"datagen: a run failed or crashed").decode()
+    headers = {"Prefect-Automation-Id": str(uuid.uuid4()), "Prefect-Automation-Name": name}
+    claimed = d.runner.client.post(
+        f"/deployments/{d.env_check_id()}/create_flow_run", json={"state": LATER}, headers=headers
+    )
+    assert claimed.status_code == 201 and claimed.json()["created_by"] is None, claimed.text
 
 
 # --- 5. retries and the schema check ----------------------------------------------------------------------------
