@@ -4,6 +4,7 @@
 #   bash infra/prefect-proxy.sh run               # in the foreground (systemd)
 #   bash infra/prefect-proxy.sh start             # in the background; prints the PREFECT_API_URL to use
 #   bash infra/prefect-proxy.sh stop              # the one `start` started
+#   bash infra/prefect-proxy.sh install           # only install nginx and its njs module (pinned; as root, apt-get)
 # Settings: DATAGEN_PROXY_DIR (state: rendered config, users.map, credentials; default <checkout>/.datagen/prefect-proxy,
 # 0700), DATAGEN_PROXY_LISTEN (default 127.0.0.1:4300), DATAGEN_PROXY_UPSTREAM (the server, default 127.0.0.1:4200),
 # DATAGEN_PROXY_TLS_CERT / DATAGEN_PROXY_TLS_KEY (required to listen beyond loopback), NGINX_BIN.
@@ -139,7 +140,9 @@ case "${1:-}" in
     "$nginx_bin" -p "$state" -c "$state/nginx.conf" -e "$state/error.log"
     scheme=http; [ -n "${DATAGEN_PROXY_TLS_CERT:-}" ] && scheme=https
     echo "export PREFECT_API_URL=$scheme://${listen%% *}/api   # through the proxy" ;;
+  install)
+    find_nginx ;;
   stop)
     if [ -s "$state/nginx.pid" ]; then kill -QUIT "$(cat "$state/nginx.pid")" 2>/dev/null || true; fi ;;
-  *) echo "usage: $0 add-user NAME operator|runner | run | start | stop" >&2; exit 2 ;;
+  *) echo "usage: $0 add-user NAME operator|runner | run | start | stop | install" >&2; exit 2 ;;
 esac
