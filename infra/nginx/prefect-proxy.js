@@ -355,8 +355,9 @@ async function setState(r, caller) {
         if (!held(run)) {
             refuse(409, 'run ' + runId + ' is ' + now + ': the box changes only runs a worker holds');
         }
-        if (now === 'SCHEDULED' && ['PENDING', 'CANCELLING', 'CANCELLED'].indexOf(state.type) < 0) {
-            refuse(409, 'run ' + runId + ' is Scheduled: a worker takes it (Pending) or cancels it, nothing else');
+        // A due run: a worker takes it (Pending), an engine starts its retry (Running), or it is cancelled.
+        if (now === 'SCHEDULED' && ['PENDING', 'RUNNING', 'CANCELLING', 'CANCELLED'].indexOf(state.type) < 0) {
+            refuse(409, 'run ' + runId + ' is Scheduled: a worker takes it, starts it or cancels it, nothing else');
         }
         return pass(r);
     }

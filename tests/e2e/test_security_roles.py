@@ -333,9 +333,12 @@ def test_a_runner_s_run_goes_to_its_deployment_s_queue(roles: Roles) -> None:
         _refused(_create(d.runner, d.env_check_id(), {"work_queue_name": queue, "state": LATER}))
     assert d.operator.client.get(f"/work_pools/{POOL}/queues/runner-made-queue").status_code == 404
     assert _run_ids(d) == before
-    # The box credential (a multi-box parent) names existing queues only.
-    _refused(_create(d.box, d.env_check_id(), {"work_queue_name": "box-made-queue", "state": LATER}))
+    # The box credential (a multi-box parent) names existing queues only, as run_deployment sends them.
+    per_box = {"state": LATER, "labels": {}, "context": {}, "parent_task_run_id": None, "job_variables": None}
+    _refused(_create(d.box, d.env_check_id(), {**per_box, "work_queue_name": "box-made-queue"}))
     assert d.operator.client.get(f"/work_pools/{POOL}/queues/box-made-queue").status_code == 404
+    existing = _create(d.box, d.env_check_id(), {**per_box, "work_queue_name": "control"})
+    assert existing.status_code == 201 and existing.json()["work_queue_name"] == "control", existing.text
     # The deployment's own queue, as the UI's form sends it, is the one the run gets.
     own = _create(d.runner, d.env_check_id(), {"work_queue_name": "default", "state": LATER})
     assert own.status_code == 201 and own.json()["work_queue_name"] == "default", own.text
