@@ -19,7 +19,7 @@ from pathlib import Path
 from datagen.runspec import RunSpec
 from datagen.settings import Settings
 
-__all__ = ["PathNotAllowed", "confine", "private_dir", "private_file", "secure_run"]
+__all__ = ["PathNotAllowed", "confine", "private_dir", "private_file", "secure_run", "trusted_model", "untrusted"]
 
 # A Hugging Face Hub dataset id (org/name); only with Settings.hub_datasets, and never a local path.
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*(?:\.[A-Za-z0-9_-]+)*(?:/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
@@ -80,8 +80,41 @@ def secure_run(settings: Settings, spec: RunSpec, base_dir: Path | None = None, 
             # (the datasets library would read the local one).
             if not (settings.hub_datasets and _HUB_ID_RE.match(source.path) and not os.path.lexists(local)):
                 raise
-    confine(spec.model_path, settings.model_roots, "model_path", "DATAGEN_MODEL_ROOTS", base)
+    model = confine(spec.model_path, settings.model_roots, "model_path", "DATAGEN_MODEL_ROOTS", base)
+    trusted_model(model, spec.model_path)
     private_dir(settings.work_dir)
+
+
+def untrusted(st: os.stat_result, uid: int) -> str | None:
+    """Why a model file with this status could hold someone else's weights or tokenizer, or None."""
+    if st.st_uid not in (uid, 0):
+        return f"belongs to user {st.st_uid}"
+    if st.st_mode & stat.S_IWOTH:
+        return "is writable by every user"
+    return None
+
+
+def trusted_model(real: Path, given: str) -> None:
+    """Refuse a model directory (or a file in it) that another local user owns or may write.
+
+    The weights, tokenizer and chat template decide every token of the dataset. A directory such as /dev/shm is
+    writable by every local user: a model there is trusted only if its own owner is this user (or root) and no
+    one else may change it. A model that does not exist yet is the environment check's to report.
+    """
+    if not real.exists():
+        return
+    uid = os.getuid()
+    for path in [real, *(sorted(real.rglob("*")) if real.is_dir() else [])]:
+        try:
+            why = untrusted(path.stat(), uid)
+        except OSError:
+            continue  # a dangling link: the model check reports missing files
+        if why:
+            inside = "" if path == real else f": {path.relative_to(real).as_posix()}"
+            raise PathNotAllowed(
+                f"model_path {given!r}{inside} {why}: the model must belong to this user or root and be "
+                "writable by no one else"
+            )
 
 
 def private_dir(path: Path) -> Path:

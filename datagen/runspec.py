@@ -358,7 +358,7 @@ class RunSpec(BaseModel):
         if not re.fullmatch(SERVED_NAME_PATTERN, v):
             raise ValueError(
                 f"served_model_name must be a name ({SERVED_NAME_PATTERN}: starts with a letter or digit, then "
-                "letters, digits, . _ / -, at most 128 characters), not {v!r}"[:300]
+                f"letters, digits, . _ / -, at most 128 characters), not {v[:100]!r}"
             )
         return v
 

@@ -109,10 +109,12 @@ class Settings(BaseSettings):
         ),
     )
     model_roots: Annotated[list[Path], NoDecode] = Field(
-        default_factory=lambda: [Path("/dev/shm"), Path.home() / ".cache" / "datagen"],
+        default_factory=lambda: [Path("/dev/shm/Qwen3.6-27B"), Path.home() / ".cache" / "datagen"],
         description=(
             "Directories RunSpec.model_path must resolve under, separated by ':' (or a JSON list): the staged model "
-            "in /dev/shm, and the fixture model directory of laptops and tests (~/.cache/datagen)."
+            "/dev/shm/Qwen3.6-27B (not all of /dev/shm, which every local user may write), and the fixture model "
+            "directory of laptops and tests (~/.cache/datagen). The model directory and its files must also belong "
+            "to this user or root and be writable by no one else."
         ),
     )
     hub_datasets: bool = Field(

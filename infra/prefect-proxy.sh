@@ -4,6 +4,7 @@
 #   bash infra/prefect-proxy.sh run               # in the foreground (systemd)
 #   bash infra/prefect-proxy.sh start             # in the background; prints the PREFECT_API_URL to use
 #   bash infra/prefect-proxy.sh stop              # the one `start` started
+#   bash infra/prefect-proxy.sh install           # only install nginx and its njs module (pinned; as root, apt-get)
 # Settings: DATAGEN_PROXY_DIR (state: rendered config, users.map, credentials; default <checkout>/.datagen/prefect-proxy,
 # 0700), DATAGEN_PROXY_LISTEN (default 127.0.0.1:4300), DATAGEN_PROXY_UPSTREAM (the server, default 127.0.0.1:4200),
 # DATAGEN_PROXY_TLS_CERT / DATAGEN_PROXY_TLS_KEY (required to listen beyond loopback), NGINX_BIN.
@@ -19,16 +20,24 @@ listen=${DATAGEN_PROXY_LISTEN:-127.0.0.1:4300}
 upstream=${DATAGEN_PROXY_UPSTREAM:-127.0.0.1:4200}
 
 nginx_bin=${NGINX_BIN:-}
+# Debian bookworm's nginx and its njs module (the proxy checks request bodies with it), pinned: the versions the
+# tests ran with. A newer Debian security update of either: change these after running tests/e2e/test_security_*.
+NGINX_PACKAGES=(nginx-light=1.22.1-9+deb12u9 libnginx-mod-http-js=0.7.9-2)
+njs_module=${DATAGEN_NJS_MODULE:-/usr/lib/nginx/modules/ngx_http_js_module.so}
 find_nginx() {
   if [ -z "$nginx_bin" ]; then nginx_bin=$(command -v nginx || true); fi
   if [ -z "$nginx_bin" ] && [ -x /usr/sbin/nginx ]; then nginx_bin=/usr/sbin/nginx; fi
-  if [ -z "$nginx_bin" ]; then
+  if [ -z "$nginx_bin" ] || [ ! -f "$njs_module" ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-      echo "prefect-proxy.sh: installing nginx-light (Debian) ..." >&2
-      DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx-light >&2
-      nginx_bin=/usr/sbin/nginx
+      echo "prefect-proxy.sh: installing ${NGINX_PACKAGES[*]} (Debian) ..." >&2
+      if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${NGINX_PACKAGES[@]}" >&2; then
+        apt-get update -q >&2
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${NGINX_PACKAGES[@]}" >&2
+      fi
+      [ -n "$nginx_bin" ] || nginx_bin=/usr/sbin/nginx
     else
-      echo "prefect-proxy.sh: nginx is not installed: \`sudo apt-get install nginx-light\` (or set NGINX_BIN)" >&2
+      echo "prefect-proxy.sh: nginx with its njs module is not installed:" \
+        "\`sudo apt-get install ${NGINX_PACKAGES[*]}\` (or set NGINX_BIN and DATAGEN_NJS_MODULE)" >&2
       exit 2
     fi
   fi
@@ -37,6 +46,14 @@ find_nginx() {
 private_state() { mkdir -p "$state/tmp" "$state/credentials" && chmod 700 "$state" "$state/credentials" "$state/tmp"; }
 
 b64() { printf '%s' "$1" | base64 -w0; }
+
+# roles.map (what nginx reads) from users.map (what add-user writes, `"Basic <base64>" role; # name`): each
+# credential as an anchored regular expression, because nginx's map compares plain strings ignoring case.
+# Base64 holds letters, digits, + / =; only + needs quoting, as [+].
+render_roles() {
+  (umask 077 && sed -n -E 's/^"Basic ([A-Za-z0-9+\/=]+)" (operator|runner|box); # ([A-Za-z0-9._-]+)$/"~^Basic \1$" "\2 \3";/p' \
+    "$state/users.map" | sed -E 's/[+]/[+]/g' > "$state/roles.map.$$" && mv "$state/roles.map.$$" "$state/roles.map")
+}
 
 upstream_auth() {
   local s=${PREFECT_SERVER_API_AUTH_STRING:-}
@@ -53,7 +70,7 @@ upstream_auth() {
 }
 
 render() {
-  local host=${listen%:*} tls="" s
+  local host=${listen%:*} tls="" s host_header=$listen
   host=${host#[}; host=${host%]}
   case "$host" in
     127.0.0.1|localhost|::1) ;;
@@ -77,13 +94,17 @@ render() {
   (umask 077 && grep -v ' box; # upstream$' "$state/users.map" > "$state/users.map.$$" || true
    printf '"Basic %s" box; # upstream\n' "$(b64 "$s")" >> "$state/users.map.$$"
    mv "$state/users.map.$$" "$state/users.map")
+  render_roles
   (umask 077 && {
     printf 'proxy_set_header Authorization "Basic %s";\n' "$(b64 "$s")"
-    printf 'proxy_set_header Host $http_host;\nproxy_set_header X-Forwarded-For $remote_addr;\n'
+    printf 'proxy_set_header Host $datagen_host;\nproxy_set_header X-Forwarded-For $remote_addr;\n'
     printf 'proxy_set_header X-Forwarded-Proto $scheme;\n'
+    # The server takes these as "created by an automation" (prefect/server/api/dependencies.py): never from people.
+    printf 'proxy_set_header Prefect-Automation-Id "";\nproxy_set_header Prefect-Automation-Name "";\n'
   } > "$state/upstream-headers.conf")
   (umask 077 && sed -e "s#@STATE@#$state#g" -e "s#@UPSTREAM@#$upstream#g" -e "s#@LISTEN@#$listen#g" \
-    -e "s#@TLS@#$tls#g" "$root/infra/nginx/prefect-proxy.conf" > "$state/nginx.conf")
+    -e "s#@TLS@#$tls#g" -e "s#@HOST@#$host_header#g" -e "s#@INFRA@#$root/infra#g" -e "s#@NJS_MODULE@#$njs_module#g" \
+    "$root/infra/nginx/prefect-proxy.conf" > "$state/nginx.conf")
   "$nginx_bin" -t -q -p "$state" -c "$state/nginx.conf" -e "$state/error.log"
 }
 
@@ -100,6 +121,7 @@ case "${1:-}" in
     (umask 077 && printf '%s:%s\n' "$name" "$token" > "$cred"
      printf '"Basic %s" %s; # %s\n' "$(b64 "$name:$token")" "$role" "$name" >> "$state/users.map")
     chmod 600 "$state/users.map"
+    render_roles
     # A running proxy reads the map at (re)load.
     if [ -s "$state/nginx.pid" ] && kill -0 "$(cat "$state/nginx.pid")" 2>/dev/null; then
       kill -HUP "$(cat "$state/nginx.pid")"
@@ -118,7 +140,9 @@ case "${1:-}" in
     "$nginx_bin" -p "$state" -c "$state/nginx.conf" -e "$state/error.log"
     scheme=http; [ -n "${DATAGEN_PROXY_TLS_CERT:-}" ] && scheme=https
     echo "export PREFECT_API_URL=$scheme://${listen%% *}/api   # through the proxy" ;;
+  install)
+    find_nginx ;;
   stop)
     if [ -s "$state/nginx.pid" ]; then kill -QUIT "$(cat "$state/nginx.pid")" 2>/dev/null || true; fi ;;
-  *) echo "usage: $0 add-user NAME operator|runner | run | start | stop" >&2; exit 2 ;;
+  *) echo "usage: $0 add-user NAME operator|runner | run | start | stop | install" >&2; exit 2 ;;
 esac

@@ -11,6 +11,9 @@ if [ ! -x /usr/bin/chromium ] && [ -z "${DATAGEN_CHROMIUM:-}" ]; then
     echo "infra/test.sh: the browser test needs Debian's chromium: sudo apt-get install -y chromium" >&2
   fi
 fi
+# The proxy's tests run Debian's nginx with its njs module: installed once here (pinned, infra/prefect-proxy.sh),
+# not by several test processes at once.
+bash infra/prefect-proxy.sh install
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 .venv/bin/ruff format --check .
 .venv/bin/ruff check .

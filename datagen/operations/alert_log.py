@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -39,23 +40,27 @@ from pydantic import SecretStr
 from datagen.local.localstack import stop_pid
 from datagen.operations import alerts
 
-__all__ = ["LINE_TEMPLATE", "LOG_NAME", "alert_line", "main", "serve", "start", "stop"]
+__all__ = ["LINE_TEMPLATE", "LOG_NAME", "alert_line", "listener_env", "main", "serve", "start", "stop"]
 
 LOG_NAME = "alerts.log"
 _PID_NAME = "alert-log.pid"
 _PORT_NAME = "alert-log.port"
 _TOKEN_NAME = "alert-log.token"
 _MAX_BODY = 1 << 20
+# What the listener's process gets of the environment of whoever started it (infra/deploy.sh holds an operator's
+# credential): enough to run Python, nothing else. It needs only its own bearer token, which it makes itself.
+_LISTENER_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV")
 READY_TIMEOUT_S = 30.0
 
 # The notification text (Jinja, rendered by Prefect's server): what datagen.operations.alerts.NOTIFICATION_BODY
-# says, on one line.
-LINE_TEMPLATE = (
+# says, on one line, after the same check that the run's record holds the failure (alerts.RECORDED_FAILURE).
+LINE_TEMPLATE = alerts.RECORDED_FAILURE + (
     "{{ flow_run.name }} ({{ deployment.name }}) ended {{ flow_run.state.name }} | "
-    "{% if event.payload.failed_task %}failing task: {{ event.payload.failed_task }}: {{ event.payload.task_message }}"
-    "{% elif 'Crashed' in event.event %}no failing task: the run crashed (its process or box went away)"
-    "{% else %}failed outside a task: {{ flow_run.state.message }}{% endif %} | "
-    "{% if event.payload.report_url %}why, with links: {{ event.payload.report_url }} | {% endif %}"
+    "{% if task %}failing task: {{ task }}: {{ hook_reason }}"
+    "{% elif recorded == 'CRASHED' %}no failing task: the run crashed: "
+    "{{ message or 'its process or box went away' }}"
+    "{% else %}failed outside a task: {{ message }}{% endif %} | "
+    "{% if report %}why, with links: {{ report }} | {% endif %}"
     "{% if flow_run|ui_url %}{{ flow_run|ui_url }}{% else %}flow run {{ flow_run.id }}{% endif %}"
 )
 
@@ -110,6 +115,11 @@ def serve(log: Path, port_file: Path, token_file: Path) -> None:
         server.serve_forever()
 
 
+def listener_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The listener's environment: the few variables Python needs, none of its starter's credentials."""
+    return {k: v for k, v in environ.items() if k in _LISTENER_ENV}
+
+
 def _running_pid(state_dir: Path) -> int | None:
     try:
         pid = int((state_dir / _PID_NAME).read_text(encoding="utf-8"))
@@ -129,7 +139,9 @@ def start(state_dir: Path) -> str:
         stop(state_dir)  # a listener whose port is not known is of no use
         command = [sys.executable, "-m", "datagen.operations.alert_log", "serve", "--state-dir", str(state_dir)]
         with (state_dir / "alert-log.err").open("ab") as err:
-            proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+            proc = subprocess.Popen(
+                command, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True, env=listener_env(os.environ)
+            )
         (state_dir / _PID_NAME).write_text(str(proc.pid), encoding="utf-8")
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not port_file.is_file() or not port_file.read_text(encoding="utf-8"):

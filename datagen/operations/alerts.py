@@ -31,6 +31,7 @@ __all__ = [
     "AUTOMATION_NAME",
     "FAILED_EVENT",
     "NOTIFICATION_BODY",
+    "RECORDED_FAILURE",
     "announce_failure",
     "automation_definition",
     "install",
@@ -42,17 +43,46 @@ FAILED_EVENT = "datagen.flow-run.failed"
 WEBHOOK_BLOCK_NAME = "datagen-alerts"
 
 NOTIFICATION_SUBJECT = "datagen: {{ flow_run.name }} {{ flow_run.state.name }}"
+
+# Every notification is rendered by Prefect's server from the triggering event and the run as the database holds it.
+# Events are not proof: any holder of the box credential can send one over the events websocket, where nothing
+# checks what it says (docs/security.md). So the alert says only what the run's record says:
+# - it is sent only when the run's recorded state is the failure the event names (Failed for the hook's event,
+#   Crashed for the server's): otherwise rendering stops on an undefined call, Prefect fails the action ("Template
+#   rendering failed: ... 'no_alert_...' is undefined", in the automation's events) and nothing is sent;
+# - the failing task and reason are the hook's only when the recorded state message says the same
+#   (`<task> failed: <reason>`, datagen.operations.failure), the link only when it is an artifact page of this UI;
+# - a state an operator set by hand carries "set by hand by NAME (operator)" in its message (infra/nginx/
+#   prefect-proxy.js), and the message is in every alert; runners cannot set one.
+RECORDED_FAILURE = """\
+{%- set recorded = flow_run.state.type -%}
+{%- if not ((event.event == "datagen.flow-run.failed" and recorded == "FAILED")
+        or (event.event == "prefect.flow-run.Crashed" and recorded == "CRASHED")) -%}
+{{ no_alert_the_run_s_recorded_state_is_not_this_failure() }}
+{%- endif -%}
+{%- set message = flow_run.state.message or "" -%}
+{%- set hook_task = event.payload.failed_task if event.payload.failed_task is string else "" -%}
+{%- set hook_reason = event.payload.task_message if event.payload.task_message is string else "" -%}
+{%- set task = hook_task if hook_task and message.startswith(hook_task ~ " failed: " ~ hook_reason) else "" -%}
+{%- set artifact_pages = ((flow_run|ui_url) or "").split("/runs/flow-run/")[0] ~ "/artifacts/artifact/" -%}
+{%- set link = event.payload.report_url if event.payload.report_url is string else "" -%}
+{%- set report = link if (flow_run|ui_url) and link.startswith(artifact_pages)
+        and link|length == artifact_pages|length + 36 else "" -%}
+"""
 # Jinja rendered by Prefect's server with the triggering event and the objects it names.
-NOTIFICATION_BODY = """\
+NOTIFICATION_BODY = (
+    RECORDED_FAILURE
+    + """\
 Run "{{ flow_run.name }}" of deployment "{{ deployment.name }}" ({{ flow.name }}) ended {{ flow_run.state.name }}.
-{% if event.payload.failed_task %}Failing task: {{ event.payload.failed_task }}
-{% elif 'Crashed' in event.event %}Failing task: none (the run crashed: its process or box went away)
+{% if task %}Failing task: {{ task }}
+{% elif recorded == "CRASHED" %}Failing task: none (the run crashed: its process or box went away, or see the message)
 {% else %}Failing task: none (the run failed outside a task)
-{% endif %}Run message: {{ flow_run.state.message }}
-{% if event.payload.report_url %}Why, with links (the reason is the page's first line): {{ event.payload.report_url }}
+{% endif %}Run message: {{ message }}
+{% if report %}Why, with links (the reason is the page's first line): {{ report }}
 {% endif %}{% if flow_run|ui_url %}Open it: {{ flow_run|ui_url }} (the message is in the run page's Details tab)
 {% else %}Flow run id: {{ flow_run.id }} (set PREFECT_UI_URL on the server for a link)
 {% endif %}"""
+)
 
 
 def announce_failure(flow: Any, flow_run: Any, state: Any) -> None:

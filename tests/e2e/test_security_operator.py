@@ -150,8 +150,11 @@ def test_the_runner_credential_cannot_change_deployments_or_pools_or_read_secret
     finally:
         anonymous.close()
         wrong.close()
-    # What the runner may do: start a run (here on a queue no worker serves), read it and its logs, cancel it.
-    created = d.runner.create_flow_run(dep_id, {"spec": d.spec}, work_queue="nobody-serves-this")
+    # What the runner may do: start a run (here one due in 2099: no worker takes it), read it and its logs, cancel it.
+    later = {"type": "SCHEDULED", "state_details": {"scheduled_time": "2099-01-01T00:00:00Z"}}
+    created = d.runner.client.post(
+        f"/deployments/{dep_id}/create_flow_run", json={"parameters": {"spec": d.spec}, "state": later}
+    )
     assert created.status_code == 201, created.text
     run_id = created.json()["id"]
     assert d.runner.flow_run(run_id)["state_type"] == "SCHEDULED"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import stat
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from datagen.checks.tuning import MANAGED_FLAGS, TUNING_FLAGS, ServerArgsError, 
 from datagen.engine.launcher import launch_flags, reap_orphaned_servers
 from datagen.layout import RunLayout
 from datagen.local.model_fixture import ensure_model_dir
-from datagen.paths import PathNotAllowed, confine, secure_run
+from datagen.paths import PathNotAllowed, confine, secure_run, untrusted
 from datagen.runspec import PromptSource, RunSpec, SamplingSpec
 from datagen.settings import Settings
 from datagen.sources.prompts import iter_prompts
@@ -174,7 +175,40 @@ def test_model_path_outside_the_model_roots_is_refused(roots: tuple[Settings, Pa
     with pytest.raises(PathNotAllowed, match="model_path"):
         secure_run(settings, _spec(str(data / "ok.jsonl"), model=f"{ensure_model_dir()}/../../../../etc"))
     # The production layout works with the defaults: the staged model in /dev/shm.
-    confine("/dev/shm/Qwen3.6-27B", Settings(_env_file=None).model_roots, "model_path", "DATAGEN_MODEL_ROOTS")
+    # The defaults, not this machine's DATAGEN_MODEL_ROOTS (tests/conftest.py names /dev/shm for the tests).
+    defaults = Settings.model_fields["model_roots"].get_default(call_default_factory=True)
+    confine("/dev/shm/Qwen3.6-27B", defaults, "model_path", "DATAGEN_MODEL_ROOTS")
+    # Issue 49: not all of /dev/shm, where every local user may put a directory of weights.
+    with pytest.raises(PathNotAllowed, match="is not under"):
+        confine("/dev/shm/someone-elses-model", defaults, "model_path", "DATAGEN_MODEL_ROOTS")
+
+
+def test_a_model_others_may_write_is_refused(roots: tuple[Settings, Path, Path], tmp_path: Path) -> None:
+    settings, data, _ = roots
+    model = tmp_path / "model"
+    shutil.copytree(ensure_model_dir(), model)
+    mine = settings.model_copy(update={"model_roots": [tmp_path]})
+    secure_run(mine, _spec(str(data / "ok.jsonl"), model=str(model)))
+    (model / "tokenizer_config.json").chmod(0o666)
+    with pytest.raises(PathNotAllowed, match=r"tokenizer_config\.json is writable by every user"):
+        secure_run(mine, _spec(str(data / "ok.jsonl"), model=str(model)))
+    (model / "tokenizer_config.json").chmod(0o644)
+    model.chmod(0o777)
+    with pytest.raises(PathNotAllowed, match=r"model_path '.*model' is writable by every user"):
+        secure_run(mine, _spec(str(data / "ok.jsonl"), model=str(model)))
+
+
+def test_a_model_another_user_owns_is_untrusted() -> None:
+    # Pure logic on a file's status (mode, ino, dev, nlink, uid, ...): whose it is and who may write it.
+    me = os.getuid()
+    mine = os.stat_result((0o100644, 0, 0, 1, me, 0, 0, 0, 0, 0))
+    assert untrusted(mine, me) is None
+    other = os.stat_result((0o100644, 0, 0, 1, me + 1, 0, 0, 0, 0, 0))
+    assert untrusted(other, me) == f"belongs to user {me + 1}"
+    root_owned = os.stat_result((0o100644, 0, 0, 1, 0, 0, 0, 0, 0, 0))
+    assert untrusted(root_owned, me) is None
+    world = os.stat_result((0o100666, 0, 0, 1, me, 0, 0, 0, 0, 0))
+    assert untrusted(world, me) == "is writable by every user"
 
 
 def test_hub_dataset_names_only_when_the_box_allows_them(roots: tuple[Settings, Path, Path]) -> None:
@@ -201,8 +235,11 @@ def test_pilot_names_and_field_names_are_plain_names() -> None:
 def test_served_model_name_is_a_name_not_more_arguments() -> None:
     # The name goes into every server's argv: a flag or a second word there would be read by SGLang's parser.
     for bad in ("--trust-remote-code", "x --host 0.0.0.0", "-x", "base:lora", "a b", "", "n" * 129, "x\ny", "é"):
-        with pytest.raises(ValidationError, match="served_model_name"):
+        with pytest.raises(ValidationError, match="served_model_name") as refused:
             RunSpec(served_model_name=bad)
+        # The refusal names what was given (issue 49: it printed a literal "{v!r}"), at most its first 100 chars.
+        message = refused.value.errors()[0]["msg"]
+        assert "{v!r}" not in message and (":" in bad or message.endswith(f"not {bad[:100]!r}")), message
     for good in ("qwen3.6-27b", "Qwen/Qwen3.6-27B", "m_1.v2"):
         assert RunSpec(served_model_name=good).served_model_name == good
 
