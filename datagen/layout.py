@@ -53,6 +53,11 @@ class RunLayout:
         return self.root / "pinned-facts.json"
 
     @property
+    def id_scheme_file(self) -> Path:
+        """The prompt id scheme of this work dir (tasks/planning.py `id_scheme`): fixed by its first plan."""
+        return self.root / "prompt-id-scheme"
+
+    @property
     def logs_dir(self) -> Path:
         """Server logs of servers this run started."""
         return self.root / "logs"

@@ -275,6 +275,7 @@ def manifest_lineage(
         **hardware,
         "pipeline_version": datagen.__version__,
         "plan_sha256": plan.plan_sha256,
+        "prompt_id_scheme": plan.id_scheme,  # datagen.identity; the catalog part records it (issue 47)
         "rows": tokenized.n_rows,
         "rejects": tokenized.n_rejects,
         "rejects_by_reason": tokenized.rejects_by_reason,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, Field
 
+from datagen.identity import known_before
 from datagen.records import Prompt, Reject
 
 __all__ = [
@@ -66,7 +67,7 @@ class Selection:
 
     def keeps(self, p: Prompt) -> bool:
         """Whether the run takes this prompt."""
-        if p.prompt_id in self.skip:
+        if known_before(p, self.skip):
             return False
         return not self.capped(p) or p.prompt_id in self.capped_taken
 
@@ -94,7 +95,7 @@ def choose(
         if isinstance(item, Reject):
             continue
         available[item.source] += 1
-        if item.prompt_id in skip:
+        if known_before(item, skip):
             report.skipped_published += 1
         elif base.capped(item):
             candidates.append((sample_hash(seed, item.prompt_id), item.prompt_id, item.source, item.category))

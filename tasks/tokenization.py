@@ -124,6 +124,8 @@ def _token_row(
         turn_index=turn_index,
         num_loss_spans=len(span_finish_reasons),
         span_finish_reasons=span_finish_reasons,
+        location=first.location,
+        source_id=first.source_id,
     )
 
 
@@ -319,6 +321,7 @@ def _segment_reject(seg: Segment, reason: str, detail: str) -> Reject:
         seg.completion_tokens,
         request_key=first.request_key,
         location=first.location,
+        source_id=first.source_id,
     )
 
 
@@ -439,6 +442,8 @@ def _token_batch(rows: list[TokenRow]) -> pa.RecordBatch:
         pa.array([r.turn_index for r in rows], pa.int16()),
         pa.array([r.num_loss_spans for r in rows], pa.int16()),
         pa.array([r.span_finish_reasons for r in rows], pa.list_(pa.string())),
+        pa.array([r.location for r in rows], pa.string()),
+        pa.array([r.source_id for r in rows], pa.string()),
     ]
     return pa.RecordBatch.from_arrays(arrays, schema=TOKEN_ROW_SCHEMA)
 
@@ -567,6 +572,7 @@ class StreamingTokenizer:
                         c.prompt_id,
                         len(c.output_ids),
                         location=c.location,
+                        source_id=c.source_id,
                     )
                 )
             else:

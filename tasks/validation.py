@@ -210,6 +210,7 @@ def _reject(c: Completion, v: Verdict) -> Reject:
         prompt_id=c.prompt_id,
         completion_tokens=len(c.output_ids),
         location=c.location,
+        source_id=c.source_id,
     )
 
 

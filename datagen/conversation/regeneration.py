@@ -36,7 +36,7 @@ from datagen.chat import TemplateError
 from datagen.conversation.export import assistant_turn, assistant_view
 from datagen.conversation.segments import cut_outcome
 from datagen.conversation.toolcalls import answer_text, parse_tool_calls
-from datagen.records import Completion, Message, Prompt
+from datagen.records import Completion, Message, Prompt, ToolCall
 from datagen.sources.preparation import Preparer, Unsendable
 
 __all__ = [
@@ -180,6 +180,23 @@ class Script:
             ),
             tools=prompt.tools,
         )
+
+    def recorded_view(self) -> list[Message]:
+        """What a regeneration takes from the recording, as messages: the head, each user turn's opening and, per
+        recorded step, an assistant turn that holds only the names of the functions it called (no text, no
+        reasoning, no arguments: the model writes its own) followed by the results recorded after it.
+
+        Two conversations with the same view are regenerated alike: the recorded assistant text that every turn
+        discards, and the messages before the first query it leaves out, are not in it (datagen.identity hashes it).
+        """
+        out: list[Message] = list(self.head)
+        for turn in self.turns:
+            out.extend(turn.opening)
+            for step in turn.steps:
+                calls = tuple(ToolCall(name=name, arguments={}) for name in step.calls) or None
+                out.append(Message(role="assistant", content="", tool_calls=calls))
+                out.extend(step.results)
+        return out
 
 
 def _recorded_calls(m: Message) -> tuple[str, ...]:

@@ -417,7 +417,7 @@ def test_max_rows_counts_rejected_rows_and_spans_files(tmp_path: Path) -> None:
     write_jsonl(d / "a.jsonl", [{"instruction": "a0"}, "{bad"])
     write_jsonl(d / "b.jsonl", [{"instruction": "b0"}, {"instruction": "b1"}])
     items = list(iter_prompts([PromptSource(path=str(d), max_rows=3)]))
-    assert [(type(i).__name__, i.source, i.row) for i in items] == [
+    assert [("Reject" if isinstance(i, Reject) else "Prompt", i.source, i.row) for i in items] == [
         ("Prompt", "a", 0),
         ("Reject", "a", 1),
         ("Prompt", "b", 0),
@@ -515,7 +515,7 @@ def test_duplicates_within_and_across_sources_are_rejected(tmp_path: Path) -> No
     a = write_jsonl(tmp_path / "a.jsonl", [sg(("human", "same")), sg(("human", "other")), oa(("user", "same"))])
     b = write_jsonl(tmp_path / "b.jsonl", [{"instruction": "same"}])
     items = list(iter_prompts([PromptSource(path=str(a)), PromptSource(path=str(b))]))
-    assert [(type(i).__name__, i.source, i.row) for i in items] == [
+    assert [("Reject" if isinstance(i, Reject) else "Prompt", i.source, i.row) for i in items] == [
         ("Prompt", "a", 0),
         ("Prompt", "a", 1),
         ("Reject", "a", 2),
