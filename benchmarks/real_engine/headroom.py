@@ -23,6 +23,7 @@ along (NVML, else nvidia-smi) so each phase's used memory at ready and at its pe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -42,7 +43,6 @@ import engine_trial  # noqa: E402
 
 from datagen.engine.headroom import HEADROOM, Headroom, LoggedGraphs  # noqa: E402
 from datagen.engine.memory_plan import (  # noqa: E402
-    EngineFlags,
     GpuMemory,
     LoggedPools,
     MemoryPlan,
@@ -92,10 +92,8 @@ class MemoryWatch:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
+            with contextlib.suppress(Exception):  # a reading missed: the next one counts
                 self.samples.append((time.time(), self._read()))
-            except Exception:
-                pass
             self._stop.wait(self.interval)
 
     def start(self) -> MemoryWatch:
@@ -145,7 +143,8 @@ def _bench(base: str, log: Path, size: tuple[int, int, int], vocab: int, watch: 
     print(
         f"  bench {prompt}x{output}x{n}: {r['output_tokens_per_s']} tok/s out, {r['total_tokens_per_s']} total, "
         f"ok {r['ok']}/{n}, running <= {r['log_max_running_req']}, steady {r['log_median_gen_throughput']}, "
-        f"retracted {r['retracted_requests']}, oom {len(r['oom_lines'])}, peak used {r['peak_used_bytes'] / _GIB:.2f} GiB",
+        f"retracted {r['retracted_requests']}, oom {len(r['oom_lines'])}, "
+        f"peak used {r['peak_used_bytes'] / _GIB:.2f} GiB",
         flush=True,
     )
     return r
@@ -257,7 +256,11 @@ def main() -> int:
                     log,
                     a.bench
                     if not phase.startswith("new") or chosen is None or chosen.launched is None
-                    else (a.bench[0], a.bench[1], max(a.bench[2], round(a.new_bench_waves * chosen.launched.max_running_requests))),
+                    else (
+                        a.bench[0],
+                        a.bench[1],
+                        max(a.bench[2], round(a.new_bench_waves * chosen.launched.max_running_requests)),
+                    ),
                     vocab,
                     watch,
                 )
@@ -268,7 +271,10 @@ def main() -> int:
                 if logged is not None:
                     gpu = for_engine(probed, ENGINE)
                     gpu = GpuMemory(
-                        gpu.total_bytes, gpu.free_bytes, gpu.weights_bytes, gpu.bandwidth_bytes_per_s,
+                        gpu.total_bytes,
+                        gpu.free_bytes,
+                        gpu.weights_bytes,
+                        gpu.bandwidth_bytes_per_s,
                         measured_pre_model_load_bytes=logged.pre_model_load_bytes,
                     )
                     roof = decode_roofline(model, gpu, running, ctx)

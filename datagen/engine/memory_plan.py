@@ -446,8 +446,9 @@ def _no_kv_reason(
     if flags.max_mamba_cache_size is not None:
         cause, knob = f"--max-mamba-cache-size {slots}", "--max-mamba-cache-size"
     else:
-        cause, knob = f"--max-running-requests {slots} with --disable-radix-cache (one slot a request)", (
-            "--max-running-requests"
+        cause, knob = (
+            f"--max-running-requests {slots} with --disable-radix-cache (one slot a request)",
+            ("--max-running-requests"),
         )
     fits = max(0, slots - math.ceil((short + model.kv_bytes_per_token) / model.state_bytes_per_slot))
     least = math.ceil((fraction + (short + model.kv_bytes_per_token) / pre) * 1000) / 1000
