@@ -50,6 +50,7 @@ __all__ = [
     "Identified",
     "IdentityError",
     "KnownPrompts",
+    "KnownRejects",
     "PromptIdentity",
     "RequestKeys",
     "content_prompt_id",
@@ -257,6 +258,27 @@ class KnownPrompts(frozenset[str]):
             hashlib.sha256(("[" + json.dumps(label) + tail).encode("ascii")).hexdigest()[:24] in self
             for label in self.legacy_labels
         )
+
+
+class KnownRejects(frozenset[str]):
+    """The keys of the input rows published before as load rejects (both key schemes), and the source labels of the
+    load-rejects parts written before issue 47, whose keys hold the label and the row's index (`holds`: a row of a
+    renamed or moved file is still matched while it keeps its index)."""
+
+    legacy_labels: tuple[str, ...]
+
+    def __new__(cls, keys: Iterable[str] = (), legacy_labels: Iterable[str] = ()) -> KnownRejects:
+        known = super().__new__(cls, keys)
+        known.legacy_labels = tuple(sorted(set(legacy_labels)))
+        return known
+
+    def holds(self, key: str | None, row: int | None = None, legacy_content: str | None = None) -> bool:
+        """Whether a load reject (its key; its row and the content the legacy key hashes) was published before."""
+        if key is not None and key in self:
+            return True
+        if row is None or legacy_content is None:
+            return False
+        return any(legacy_load_reject_key(label, row, legacy_content) in self for label in self.legacy_labels)
 
 
 def known_before(prompt: Prompt, published: Collection[str]) -> bool:

@@ -226,11 +226,16 @@ def published_before(store: ObjectStore, spec: RunSpec, layout: RunLayout) -> di
         return None
     publishing.refuse_other_run(store, spec.namespace, spec.model_dump(mode="json"))
     manifest = publishing.published_as_staged(store, spec.namespace, layout.staging_dir)
+    message = f"{spec.namespace} was published by an earlier attempt of this run; its catalog part is in place"
+    if manifest is None and (claim := publishing.claimed_as_staged(store, spec.namespace, layout.staging_dir)):
+        # Killed in its publish: finish it from the files it claimed (issue 47: the claim's bytes, whatever code).
+        publish_dataset(spec, layout, store, claim.get("lineage") or {}, dry_run=False)
+        manifest = publishing.published_as_staged(store, spec.namespace, layout.staging_dir)
+        message = f"{spec.namespace}: finished the publish an earlier attempt claimed, from the files it staged"
     if manifest is None:
         return None
     catalog_task(store, spec.namespace, layout.staging_dir)
     lineage = manifest.get("lineage") or {}
-    message = f"{spec.namespace} was published by an earlier attempt of this run; its catalog part is in place"
     get_run_logger().info("%s", message)
     return {
         "uri": store.uri(spec.namespace + "/"),

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.checks.quality import GateReport, check_load_gate
 from datagen.engine.memory_plan import PromptTokens
-from datagen.identity import CONTENT_SCHEME, LEGACY_SCHEME, KnownPrompts, PromptIdentity
+from datagen.identity import CONTENT_SCHEME, LEGACY_SCHEME, KnownPrompts, KnownRejects, PromptIdentity
 from datagen.layout import RunLayout
 from datagen.publishing.storage import sha256_file
 from datagen.records import Prompt, Reject
@@ -322,12 +322,18 @@ class _SkipPublished:
             return published.holds(prompt_id, alias, rendered)
         return (prompt_id is not None and prompt_id in published) or (alias is not None and alias in published)
 
-    def __iter__(self) -> Iterator[Prompt | Reject]:
+    def _old(self, item: Reject) -> bool:
         old = self._old_rejects
+        if not isinstance(item, LoadReject):
+            return item.request_key is not None and item.request_key in old
+        if isinstance(old, KnownRejects):
+            return old.holds(item.request_key, item.row, item.legacy_content)
+        return item.request_key in old or item.legacy_key in old
+
+    def __iter__(self) -> Iterator[Prompt | Reject]:
         for item in self._items:
             if isinstance(item, Reject):
-                legacy = item.legacy_key if isinstance(item, LoadReject) else None
-                if (item.request_key is not None and item.request_key in old) or (legacy is not None and legacy in old):
+                if self._old(item):
                     self.n_old_rejects += 1
                     continue
                 if (

@@ -40,6 +40,7 @@ __all__ = [
     "PublishResult",
     "StagedFile",
     "abandon",
+    "claimed_as_staged",
     "publish",
     "published_as_staged",
     "refuse_other_run",
@@ -368,6 +369,26 @@ def published_as_staged(store: ObjectStore, namespace: str, staging_dir: Path) -
     except (PublishError, ValueError, KeyError, TypeError):
         return None  # not this run's (or not a manifest of ours): the publish step refuses it with its reason
     return manifest if listed == [f.model_dump() for f in files] else None
+
+
+def claimed_as_staged(store: ObjectStore, namespace: str, staging_dir: Path) -> dict[str, Any] | None:
+    """The claim of an unfinished publish of exactly the files staged in staging_dir (no manifest yet), else None.
+
+    Such a publish is finished from those files as they are (`publish` takes the claim's lineage and date), without
+    validating or tokenizing again: what a resumed run would stage may differ from what was claimed (a newer
+    pipeline writes other columns), and a claim is a promise of these bytes.
+    """
+    ns = namespace.strip("/")
+    if not Path(staging_dir).is_dir() or store.head(f"{ns}/{MANIFEST_NAME}") is not None:
+        return None
+    try:
+        found = _read_claim(store, f"{ns}/{CLAIM_NAME}")
+        files = stage_files(staging_dir)
+    except PublishError:
+        return None  # not a claim of ours, or nothing staged: the publish step refuses it with its reason
+    if found is None or not _same_files(found[1], files):
+        return None
+    return found[1]
 
 
 def refuse_other_run(store: ObjectStore, namespace: str, run_spec: dict[str, Any]) -> None:

@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from datagen.identity import LEGACY_SCHEME, KnownPrompts
+from datagen.identity import LEGACY_SCHEME, KnownPrompts, KnownRejects
 from datagen.operations.faults import kill_point
 from datagen.publishing.storage import ObjectExists, ObjectStore
 
@@ -163,8 +163,13 @@ def build_part(parquet_files: Iterable[tuple[str, bytes | Path]], id_scheme: str
     return out.getvalue()
 
 
-def build_load_rejects(parquet_files: Iterable[tuple[str, bytes | Path]]) -> bytes | None:
-    """The load-rejects part from a dataset's parquet files: keyed load rejects, sorted by key; None when none."""
+def build_load_rejects(
+    parquet_files: Iterable[tuple[str, bytes | Path]], id_scheme: str = LEGACY_SCHEME
+) -> bytes | None:
+    """The load-rejects part from a dataset's parquet files: keyed load rejects, sorted by key; None when none.
+
+    `id_scheme` is recorded as in `build_part`: a part without it holds the keys of the code before issue 47.
+    """
     tables: list[pa.Table] = []
     for name, content in parquet_files:
         if not name.startswith("rejects/"):
@@ -197,6 +202,8 @@ def build_load_rejects(parquet_files: Iterable[tuple[str, bytes | Path]]) -> byt
     if rows.num_rows == 0:
         return None
     rows = rows.take(pc.sort_indices(rows, [("request_key", "ascending")])).cast(LOAD_REJECTS_SCHEMA)
+    if id_scheme != LEGACY_SCHEME:
+        rows = rows.replace_schema_metadata({_SCHEME_KEY: id_scheme.encode()})
     out = io.BytesIO()
     pq.write_table(rows, out, compression="zstd")
     return out.getvalue()
@@ -216,8 +223,9 @@ def write_part(store: ObjectStore, namespace: str, staging_dir: Path) -> int:
     The ids' scheme is the one the namespace's manifest names.
     """
     files = _staged_parquet(staging_dir)
-    _put_load_rejects(store, namespace, build_load_rejects(files))
-    return _put_part(store, namespace, build_part(files, id_scheme_of(store, namespace)))
+    scheme = id_scheme_of(store, namespace)
+    _put_load_rejects(store, namespace, build_load_rejects(files, scheme))
+    return _put_part(store, namespace, build_part(files, scheme))
 
 
 def id_scheme_of(store: ObjectStore, namespace: str) -> str:
@@ -253,15 +261,21 @@ def _keys(body: bytes) -> set[str]:
     return set(pq.read_table(io.BytesIO(body), columns=["request_key"]).column("request_key").to_pylist())
 
 
-def published_load_rejects(store: ObjectStore, exclude: Iterable[str] = ()) -> set[str]:
-    """The keys of every input row a namespace (but the `exclude` ones) published as a load reject."""
+def published_load_rejects(store: ObjectStore, exclude: Iterable[str] = ()) -> KnownRejects:
+    """The keys of every input row a namespace (but the `exclude` ones) published as a load reject, with the source
+    labels of the parts written before issue 47 (their keys hold the label: datagen.identity.KnownRejects)."""
     skip = set(exclude)
     keys: set[str] = set()
+    legacy_labels: set[str] = set()
     for o in store.list(CATALOG_DIR):
         name = o.key[len(CATALOG_DIR) :]
         if name.endswith(_LOAD_REJECTS_SUFFIX) and "/" not in name and name[: -len(_LOAD_REJECTS_SUFFIX)] not in skip:
-            keys |= _keys(store.get_bytes(o.key))
-    return keys
+            body = store.get_bytes(o.key)
+            table = pq.read_table(io.BytesIO(body), columns=["request_key", "source"])
+            keys |= set(table.column("request_key").to_pylist())
+            if (table.schema.metadata or {}).get(_SCHEME_KEY) is None:
+                legacy_labels |= set(pc.unique(table.column("source")).to_pylist())
+    return KnownRejects(keys, legacy_labels)
 
 
 def _put_part(store: ObjectStore, namespace: str, body: bytes) -> int:
@@ -347,8 +361,9 @@ def backfill(store: ObjectStore, namespace: str) -> bool:
         for o in store.list(f"{namespace}/{kind}")
         if o.key.endswith(".parquet")
     ]
-    _put_load_rejects(store, namespace, build_load_rejects(files))
-    n = _put_part(store, namespace, build_part(files, id_scheme_of(store, namespace)))
+    scheme = id_scheme_of(store, namespace)
+    _put_load_rejects(store, namespace, build_load_rejects(files, scheme))
+    n = _put_part(store, namespace, build_part(files, scheme))
     log.warning("catalog: backfilled %s with %d prompt ids (the part was missing)", part_key(namespace), n)
     return True
 

@@ -129,18 +129,24 @@ class _Unreadable:
 class LoadReject(Reject):
     """A load `Reject` with what planning matches against the rows published before (held in memory only).
 
-    `legacy_key`: the key the code before issue 47 gave the row (datagen.identity.legacy_load_reject_key); for a
-    `duplicate_prompt`, `alias` and `rendered`: the prompt's other id and its whole rendered ids
-    (datagen.identity.KnownPrompts.holds), so a duplicate of a published prompt is skipped as published.
+    `legacy_content`: what the key the code before issue 47 gave the row hashed besides its label and index
+    (datagen.identity.legacy_load_reject_key, KnownRejects.holds); for a `duplicate_prompt`, `alias` and
+    `rendered`: the prompt's other id and its whole rendered ids (datagen.identity.KnownPrompts.holds), so a
+    duplicate of a published prompt is skipped as published.
     """
 
-    __slots__ = ("alias", "legacy_key", "rendered")
+    __slots__ = ("alias", "legacy_content", "rendered")
 
-    def __init__(self, *args: Any, legacy_key: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, legacy_content: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.legacy_key = legacy_key
+        self.legacy_content = legacy_content
         self.alias: str | None = None
         self.rendered: array[int] | None = None
+
+    @property
+    def legacy_key(self) -> str:
+        """The key the code before issue 47 gave this row."""
+        return legacy_load_reject_key(self.source, self.row or 0, self.legacy_content)
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,7 +298,7 @@ def _load_reject(
         location=where,
         request_key=load_reject_key(reason, content),
         source_id=source_id,
-        legacy_key=legacy_load_reject_key(label, row, legacy),
+        legacy_content=legacy,
     )
 
 
