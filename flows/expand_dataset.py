@@ -286,6 +286,9 @@ def manifest_lineage(
         "rejects_by_reason": tokenized.rejects_by_reason,
         "skipped_published": plan.n_skipped_published,
         "old_rejects_skipped": plan.n_old_rejects_skipped,
+        # Rows identical to an earlier row (kept; issue 47: conversations that open alike, deterministic decoding).
+        "duplicate_rows": tokenized.duplicate_rows,
+        "duplicate_row_groups": tokenized.duplicate_groups,
     }
     return lineage | ({"conversations": conversations.summary() | dict(published)} if conversations is not None else {})
 
@@ -607,7 +610,7 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
         skipped=(plan.n_skipped_published, plan.n_old_rejects_skipped),
     )
     clock.mark("validation + tokenization")
-    turn_counts = turn_mode(spec).conversation_counts(*_checkpoints(plan, layout), plan.n_prompts)
+    turn_counts = turn_mode(spec).conversation_counts(*_checkpoints(plan, layout), plan.n_prompts, tokenized.outcomes)
     lineage = manifest_lineage(
         spec,
         chat,
@@ -661,6 +664,7 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
         link=dataset_link,
         skipped_published=plan.n_skipped_published,
         old_rejects_skipped=plan.n_old_rejects_skipped,
+        duplicate_rows=tokenized.duplicate_rows,
     )
     create_markdown_artifact(
         markdown=report.run_report(facts),

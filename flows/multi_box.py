@@ -432,7 +432,10 @@ def _expand_dataset_multibox(spec: RunSpec, boxes: MultiBoxSpec, dry_run: bool) 
     )
     # Conversations and steps counted from the collected checkpoint lines (None in `last` mode: no such block).
     turn_counts = turn_mode(spec).conversation_counts(
-        [Path(r.completions_path) for r in shard_results], [Path(r.rejects_path) for r in shard_results], plan.n_prompts
+        [Path(r.completions_path) for r in shard_results],
+        [Path(r.rejects_path) for r in shard_results],
+        plan.n_prompts,
+        tokenized.outcomes,
     )
     lineage = manifest_lineage(
         spec,

@@ -17,8 +17,8 @@ never the spec:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -169,12 +169,21 @@ class TurnMode(ABC):
         line (its progress is the dispatcher's count)."""
 
     def conversation_counts(
-        self, completions: Sequence[Path], rejects: Sequence[Path], planned: int
+        self,
+        completions: Sequence[Path],
+        rejects: Sequence[Path],
+        planned: int,
+        outcomes: Mapping[str, int] | None = None,
     ) -> TurnCounts | None:
         """The conversations and steps these checkpoint files hold now (the manifest's `conversations` block, the
-        run report); None where a prompt is one line (a `last` run's manifest and report have none)."""
+        run report); None where a prompt is one line (a `last` run's manifest and report have none). `outcomes`:
+        the conversations by outcome as published (validation's and tokenization's cuts included), which then
+        replace the generation's."""
         tail = self.step_tail(completions, rejects, planned)
-        return None if tail is None else tail.poll()
+        if tail is None:
+            return None
+        counts = tail.poll()
+        return counts if not outcomes else replace(counts, outcomes=dict(outcomes))
 
 
 class LastTurn(TurnMode):

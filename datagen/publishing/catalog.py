@@ -106,10 +106,16 @@ def load_rejects_key(namespace: str) -> str:
 
 
 def _status_table(table: pa.Table, status: str, rank: int, file_no: int) -> pa.Table:
-    """One file's rows as catalog columns plus sort keys (rank: data 0, rejected 1; seq: see below)."""
+    """One file's rows as catalog columns plus sort keys (rank: data 0, rejected 1, a later turn's
+    `earlier_turn_rejected` 2; seq: see below)."""
     n = table.num_rows
     category = table.column("category") if "category" in table.column_names else pa.nulls(n, pa.string())
     reason = table.column("reason") if "reason" in table.column_names else pa.nulls(n, pa.string())
+    ranks: pa.Array | pa.ChunkedArray = pa.array([rank] * n, pa.int8())
+    if rank and n:
+        # A user turn after the one that ended its conversation says less than that turn's own reject: kept last.
+        later = pc.fill_null(pc.equal(reason.cast(pa.string()), "earlier_turn_rejected"), False)
+        ranks = pc.if_else(later, pa.scalar(rank + 1, pa.int8()), pa.scalar(rank, pa.int8()))
     return pa.table(
         {
             "prompt_id": table.column("prompt_id").cast(pa.string()),
@@ -117,7 +123,7 @@ def _status_table(table: pa.Table, status: str, rank: int, file_no: int) -> pa.T
             "category": category.cast(pa.string()),
             "status": pa.array([status] * n, pa.string()),
             "reason": reason.cast(pa.string()),
-            "_rank": pa.array([rank] * n, pa.int8()),
+            "_rank": ranks,
             # Sorted descending: the last rejected row wins, the first data row (data rows come negated).
             "_seq": pa.array([(file_no << 40) + i if rank else -((file_no << 40) + i) for i in range(n)], pa.int64()),
         }
