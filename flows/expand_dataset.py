@@ -480,7 +480,7 @@ def _expand_dataset(spec: RunSpec, dry_run: bool) -> dict[str, Any]:
         spec = spec.model_copy(update={"namespace": catalog.next_expansion_namespace(store)})
         logger.info("namespace 'auto' -> %s", spec.namespace)
         report.rename_flow_run(AUTO_NAMESPACE, spec.namespace)
-    layout = RunLayout.for_run(settings.work_dir, spec.namespace)
+    layout = RunLayout.for_target(settings.work_dir, spec.namespace, settings.s3_target)
     layout.root.mkdir(parents=True, exist_ok=True)
     if not dry_run and (done := published_before(store, spec, layout)) is not None:
         return done

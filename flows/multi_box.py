@@ -167,7 +167,7 @@ def _generate_on_box(
     logger.info("box %s memory plan: %s", this_box, memory_why)
     plan_args = memory_plan.plan_args if memory_plan else []
     box_plan = _box_plan(memory_plan, memory_why)
-    layout = RunLayout.for_run(settings.work_dir, spec.namespace)
+    layout = RunLayout.for_target(settings.work_dir, spec.namespace, settings.s3_target)
     layout.root.mkdir(parents=True, exist_ok=True)
     chat = ChatTokenizer.shared(spec.model_path)
     finished: list[generation.ShardResult] = []
@@ -390,7 +390,7 @@ def _expand_dataset_multibox(spec: RunSpec, boxes: MultiBoxSpec, dry_run: bool) 
     started = time.monotonic()
     settings = Settings()
     paths.secure_run(settings, spec)  # run paths under the box's roots, a private work dir: before anything
-    layout = RunLayout.for_run(settings.work_dir, spec.namespace)
+    layout = RunLayout.for_target(settings.work_dir, spec.namespace, settings.s3_target)
     layout.root.mkdir(parents=True, exist_ok=True)
     store = ObjectStore.from_settings(settings)
     exchange = _exchange(store, spec, "parent", boxes.exchange.lease_s)

@@ -219,7 +219,7 @@ def _reject(c: Completion, v: Verdict) -> Reject:
     )
 
 
-def _turn_reject(like: Completion | Reject, turn: int, detail: str) -> Reject:
+def _turn_reject(like: Completion | Reject | Prompt, turn: int, detail: str) -> Reject:
     """The `earlier_turn_rejected` row of a user turn of `like`'s conversation that makes no row."""
     return Reject(
         stage="validate",
@@ -240,6 +240,7 @@ class _ShardConversations:
     generation reject that ended it, if one did (datagen.conversation.ledger: at most one)."""
 
     turns: dict[str, int] = field(default_factory=dict)
+    rows: dict[str, Prompt] = field(default_factory=dict)  # where each came from (messages dropped)
     rejected: dict[str, Reject] = field(default_factory=dict)
     judged: set[str] = field(default_factory=set)
 
@@ -253,6 +254,7 @@ class _ShardConversations:
                     out.turns[prompt.prompt_id] = len(Script.of(prompt).turns)
                 except Unsendable:
                     out.turns[prompt.prompt_id] = 1  # no query: its first step was refused, the one turn
+                out.rows[prompt.prompt_id] = replace(prompt, messages=[], tools=None)
         if rejects_path is not None:
             for row in read_rows(rejects_path):
                 r = Reject(**row)
@@ -352,8 +354,9 @@ class ShardValidator:
         """Count how the conversation ended; write a row for each of its user turns after `ended_turn`."""
         outcomes = self._builder.summary.conversation_outcomes
         outcomes[why] = outcomes.get(why, 0) + 1
+        origin = self._shard.rows.get(prompt_id, like)
         for turn in range(ended_turn + 1, self._shard.turns.get(prompt_id, 0)):
-            r = _turn_reject(like, turn, unreached_turn_detail(prompt_id, turn, ended_turn, why))
+            r = _turn_reject(origin, turn, unreached_turn_detail(prompt_id, turn, ended_turn, why))
             self._builder.reject(r)
             rej.write(r.to_json() + "\n")
 
@@ -458,9 +461,8 @@ class ShardValidator:
         why = cut_outcome(reason)
         outcomes[why] = outcomes.get(why, 0) + 1
         for turn in range(last_turn + 1, self._shard.turns.get(prompt_id, 0)):
-            r = _turn_reject(
-                failing, turn, f"conversation {prompt_id}, turn {turn}: turn {failing_turn} was rejected ({reason})"
-            )
+            detail = f"conversation {prompt_id}, turn {turn}: turn {failing_turn} was rejected ({reason})"
+            r = _turn_reject(self._shard.rows.get(prompt_id, failing), turn, detail)
             self._builder.reject(r)
             rej.write(r.to_json() + "\n")
 

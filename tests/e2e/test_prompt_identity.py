@@ -197,3 +197,45 @@ def test_renames_splits_new_files_inserted_rows_and_edited_replies_generate_noth
     ids = Counter(i for ns in everything.values() for i in ns["ids"])
     assert len(ids) == 11 and set(ids.values()) == {1}
     assert sum(len(ns["load"]) for ns in everything.values()) == 3
+
+
+def test_a_namespace_name_under_another_prefix_gets_its_own_work_dir(
+    prefect_api: None,
+    pipeline_env: dict[str, str],
+    local_s3: LocalS3,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    # Issue 47.8: a run into the same namespace name under another DATAGEN_S3_PREFIX took the first one's work dir:
+    # its checkpoints (nothing generated) and its first attempt's run id, name and date (in the manifest and card).
+    monkeypatch.setenv("DATAGEN_STANDIN_TOOL_CALL_RATE", "0")
+    source = tmp_path / "prompts.jsonl"
+    write(source, rows(1, 3, 5))
+    spec = RunSpec(
+        sources=[PromptSource(path=str(source))],
+        model_path=str(ensure_model_dir()),
+        namespace="twin",
+        context_length=8192,
+        sampling=SamplingSpec(max_new_tokens=1024),
+        quality_gate=QualityGate(min_median_completion_tokens=8, max_source_share=1.0, max_category_share=1.0),
+    )
+    prefixes = [pipeline_env["DATAGEN_S3_PREFIX"] + "one/", pipeline_env["DATAGEN_S3_PREFIX"] + "two/"]
+    with run_standin(ensure_model_dir(), args=["--enable-metrics"]) as endpoint:
+        assert endpoint.api_key is not None
+        monkeypatch.setenv("DATAGEN_SERVER_URLS", json.dumps([endpoint.url]))
+        monkeypatch.setenv("DATAGEN_SGLANG_API_KEY", endpoint.api_key.get_secret_value())
+        manifests, sent = [], []
+        for prefix in prefixes:
+            monkeypatch.setenv("DATAGEN_S3_PREFIX", prefix)
+            before = requests_served(endpoint)
+            summary = expand_dataset(spec)
+            sent.append(requests_served(endpoint) - before)
+            assert summary.get("already_published") is None and summary["rows"] == 3, summary
+            store = ObjectStore.from_settings(local_s3.settings(s3_prefix=prefix))
+            manifests.append(json.loads(store.get_bytes("twin/manifest.json")))
+    # Each prefix's run generated its conversations and names itself: no checkpoint or first attempt shared.
+    assert sent == [3, 3]
+    one, two = (m["lineage"] for m in manifests)
+    assert one["run_id"] != two["run_id"] and one["run_name"] != two["run_name"]
+    runs = Path(pipeline_env["DATAGEN_WORK_DIR"]) / "runs"
+    assert sorted(p.name.split("@")[0] for p in runs.iterdir()) == ["twin", "twin"]
