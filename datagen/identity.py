@@ -4,8 +4,9 @@ Catalogs in S3 and every checkpoint hold these keys, so they never change for th
 (tests/unit/test_identity.py pins each one with values computed before this module existed).
 
     prompt id      what the target is asked to continue, and nothing else (issue 47; docs/data-quality.md, "A
-                   prompt's identity"): sha256 of the token ids of `TurnMode.identity_messages` rendered by the
-                   model's template (tools, thinking): in `last` mode the recorded conversation, replies included; in
+                   prompt's identity"): sha256 of `TurnMode.identity_messages` as the model's template renders them
+                   (tools, thinking; the text after the tokenizer's normalization, which the prompt's token ids
+                   decode back to): in `last` mode the recorded conversation, replies included; in
                    `every` mode its system prompt, user turns and recorded tool rounds (the functions called, their
                    results), not the recorded assistant text it discards. No file, label or row: a renamed, split,
                    merged, reordered or moved file, or one that gained rows, holds the same prompts. Scheme
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 from array import array
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -99,12 +99,10 @@ def prompt_id_from_ids(source: str, token_ids: Sequence[int]) -> str:
     return hashlib.sha256(payload.encode("ascii")).hexdigest()[:24]
 
 
-def content_prompt_id(token_ids: Sequence[int]) -> str:
-    """The id of a prompt (CONTENT_SCHEME): sha256 of the token ids the model is asked to continue, nothing else."""
-    ids = array("i", token_ids)
-    if sys.byteorder != "little":
-        ids.byteswap()
-    return hashlib.sha256(b"datagen-prompt/2\0" + ids.tobytes()).hexdigest()[:24]
+def content_prompt_id(rendered: str) -> str:
+    """The id of a prompt (CONTENT_SCHEME): sha256 of the chat template's rendering of what the model is asked to
+    continue (its text after the tokenizer's normalization, which its token ids decode back to), nothing else."""
+    return hashlib.sha256(b"datagen-prompt/2\0" + rendered.encode("utf-8", "surrogatepass")).hexdigest()[:24]
 
 
 def load_reject_key(reason: str, content: str) -> str:
@@ -192,8 +190,7 @@ class PromptIdentity:
         """The prompt's ids and what the model sees of it; raises Unsendable."""
         view = self._view(messages, tools)
         legacy = prompt_id_from_ids(source, view.ids)
-        continued = self._continued_ids(view, tools)
-        content = content_prompt_id(continued)
+        content = content_prompt_id(self._continued(view, tools))
         if self.scheme == LEGACY_SCHEME:
             return Identified(legacy, content, view, array("i", view.ids).tobytes())
         return Identified(content, legacy, view, content.encode("ascii"))
@@ -211,15 +208,14 @@ class PromptIdentity:
                 ) from err
         return self.preparer.view(messages, tools)
 
-    def _continued_ids(self, view: PromptView, tools: Tools) -> list[int]:
-        """The token ids of what the target is asked to continue (`TurnMode.identity_messages`, rendered)."""
-        if self.mode is None:
-            return view.ids
-        continued = self.mode.identity_messages(view.messages, tools)
+    def _continued(self, view: PromptView, tools: Tools) -> str:
+        """The rendering of what the target is asked to continue (`TurnMode.identity_messages`), as the model sees
+        it: the view's own when that is all of it (no second render, no second tokenization)."""
+        continued = view.messages if self.mode is None else self.mode.identity_messages(view.messages, tools)
         if continued == view.messages:
-            return view.ids
+            return view.text
         try:
-            return self.preparer.chat.prompt_ids(continued, self.preparer.enable_thinking, tools)
+            return self.preparer.chat.render(continued, self.preparer.enable_thinking, tools)
         except TemplateError as exc:
             raise Unsendable(
                 "template_error", f"the chat template refused the conversation as the model is sent it: {exc}"

@@ -110,7 +110,7 @@ def test_loaded_tool_rows_render_as_the_real_template_renders_the_rows(tmp_path:
     for p in prompts:
         assert p.input_ids is not None
         assert chat.decode(list(p.input_ids)) == expected
-        assert p.prompt_id == content_prompt_id(chat.encode(expected))
+        assert p.prompt_id == content_prompt_id(expected)
         assert p.alias == prompt_id_from_ids(p.source, chat.encode(expected))
 
 

@@ -86,14 +86,15 @@ def test_a_legacy_run_renders_prompt_ids_as_the_old_code_did_and_request_keys_fo
 
 
 def test_content_ids_are_pinned_and_carry_the_legacy_id_as_their_alias() -> None:
-    assert content_prompt_id([1, 2, 3, 248045, 99999]) == "381f584500d407effb05e30d"
+    assert content_prompt_id("<|im_start|>user\nhi<|im_end|>\n") == "1c1516b9bd7e68fe4bec353a"
     for turns in ("last", "every"):
         spec = RunSpec(model_path=str(ensure_model_dir()), turns=turns)
         identity = PromptIdentity.for_spec(spec)
         assert identity.scheme == CONTENT_SCHEME
         found = identity.identify("src/a", MESSAGES)
         # One user turn: what the model continues is the whole prompt in both modes, so one id for both.
-        assert found.prompt_id == "f20f39d598360bce7e29afed" == content_prompt_id(found.view.ids)
+        assert found.prompt_id == "7a3c3c757e295282afc0446a" == content_prompt_id(found.view.text)
+        assert found.view.ids == identity.preparer.chat.encode(found.view.text)  # the text the ids encode
         assert found.alias == "710efd17f474af9da7168ba2"  # the legacy id above: old catalogs match it
         assert identity.identify("another/label", MESSAGES).prompt_id == found.prompt_id  # no label in it
         assert identity.identify("another/label", MESSAGES).alias == prompt_id_from_ids("another/label", found.view.ids)

@@ -249,7 +249,7 @@ def test_prompts_differing_only_in_whitespace_are_one_prompt_the_first_kept(tmp_
     ]
     chat = ChatTokenizer.from_model_dir(spec.model_path)
     for p in prompts:  # the id is what the model sees: the token ids apply_chat_template gives, and nothing else
-        assert p.prompt_id == content_prompt_id(chat.prompt_ids(p.messages))
+        assert p.prompt_id == content_prompt_id(chat.render(p.messages))
 
 
 def test_huge_row_is_rejected_as_too_long_without_being_tokenized(
