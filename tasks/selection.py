@@ -69,7 +69,9 @@ class Selection:
         """Whether the run takes this prompt."""
         if known_before(p, self.skip):
             return False
-        return not self.capped(p) or p.prompt_id in self.capped_taken
+        # By either id: a plan under a work dir's legacy ids takes what a pass under the content ids chose.
+        taken = self.capped_taken
+        return not self.capped(p) or p.prompt_id in taken or (p.alias is not None and p.alias in taken)
 
 
 def choose(
