@@ -1,14 +1,26 @@
-"""The keys that name work across runs: prompt ids, request keys and a shard's generation cache key.
+"""The keys that name work across runs: prompt ids, load reject keys, request keys and a shard's generation cache key.
 
 Catalogs in S3 and every checkpoint hold these keys, so they never change for the same input
 (tests/unit/test_identity.py pins each one with values computed before this module existed).
 
-    prompt id      sha256(source, rendered token ids)[:24]: the prompt as the model sees it. A run always uses
-                   this scheme; `PromptIdentity.for_spec` refuses (IdentityError) when the model directory has
-                   no tokenizer rather than falling back to another scheme, which would give the same prompts
-                   other ids and defeat the catalog's skip of published prompts and the checkpoints' ledger.
-                   `prompt_id_from_messages` is the scheme for code with no model at hand (loader tests,
-                   benchmarks, `iter_prompts` without an identity); a run never mixes the two.
+    prompt id      what the target is asked to continue, and nothing else (issue 47; docs/data-quality.md, "A
+                   prompt's identity"): sha256 of `TurnMode.identity_messages` as the model's template renders them
+                   (tools, thinking; the text after the tokenizer's normalization, which the prompt's token ids
+                   decode back to): in `last` mode the recorded conversation, replies included; in
+                   `every` mode its system prompt, user turns and recorded tool rounds (the functions called, their
+                   results), not the recorded assistant text it discards. No file, label or row: a renamed, split,
+                   merged, reordered or moved file, or one that gained rows, holds the same prompts. Scheme
+                   CONTENT_SCHEME. `PromptIdentity.for_spec` refuses (IdentityError) when the model directory has no
+                   tokenizer rather than falling back to another scheme.
+    legacy id      the id the code before issue 47 gave (LEGACY_SCHEME): sha256 over the source label and the whole
+                   recorded conversation's render, in both modes. Namespaces published then list these ids; every
+                   prompt is given this id too (`Identified.alias`) so an expansion over them matches it
+                   (`KnownPrompts`), under any label those namespaces published (a file renamed since). A run
+                   whose work dir holds a plan made under it keeps it (tasks/planning.py), so an interrupted run
+                   resumes on its checkpoints. `prompt_id_from_messages` is the label scheme for code with no model
+                   at hand (loader tests, benchmarks, `iter_prompts` without an identity); a run never uses it.
+    load reject    "row:" + sha256 over the reason and the row's content (`load_reject_key`); before issue 47 over
+                   the label, the row's index and its content (`legacy_load_reject_key`, still matched).
     request key    sha256(prompt id, sampling, model fingerprint, chat-template hash): one generation request.
     cache key      a shard's generation task in Prefect: namespace, plan, sampling, model, shard.
 """
@@ -18,11 +30,12 @@ from __future__ import annotations
 import hashlib
 import json
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from datagen.chat import ChatTokenizer, Tools
+from datagen.chat import ChatTokenizer, TemplateError, Tools
 from datagen.conversation.regeneration import Script
 from datagen.conversation.turn_mode import TurnMode, turn_mode
 from datagen.records import Message, Prompt
@@ -31,14 +44,29 @@ from datagen.sources.preparation import Preparer, Unsendable
 from datagen.sources.prompt_view import PromptView
 
 __all__ = [
+    "CONTENT_SCHEME",
+    "LEGACY_SCHEME",
+    "LOAD_REJECT_KEY_PREFIX",
+    "Identified",
     "IdentityError",
+    "KnownPrompts",
+    "KnownRejects",
     "PromptIdentity",
     "RequestKeys",
+    "content_prompt_id",
     "generation_cache_key",
+    "known_before",
+    "legacy_load_reject_key",
+    "load_reject_key",
     "prompt_id_from_ids",
     "prompt_id_from_messages",
     "request_key",
 ]
+
+CONTENT_SCHEME = "continued_content"  # the prompt ids of this module's docstring (issue 47)
+LEGACY_SCHEME = "rendered_token_ids"  # the ids before it: source label + the whole recorded conversation's render
+# A load reject's `request_key`: "row:" + a hash, so a later expansion knows the row was published as a reject.
+LOAD_REJECT_KEY_PREFIX = "row:"
 
 
 class IdentityError(RuntimeError):
@@ -65,36 +93,76 @@ def _id_part(message: Mapping[str, Any]) -> list[Any]:
     return [message["role"], message["content"], extra] if extra else [message["role"], message["content"]]
 
 
-def prompt_id_from_ids(source: str, token_ids: list[int]) -> str:
-    """Id of a prompt as the model sees it: sha256 over its source label and its rendered token ids."""
-    payload = json.dumps([source, token_ids], separators=(",", ":"))
+def prompt_id_from_ids(source: str, token_ids: Sequence[int]) -> str:
+    """The legacy id of a prompt (LEGACY_SCHEME): sha256 over its source label and its rendered token ids."""
+    payload = json.dumps([source, list(token_ids)], separators=(",", ":"))
     return hashlib.sha256(payload.encode("ascii")).hexdigest()[:24]
 
 
+def content_prompt_id(rendered: str) -> str:
+    """The id of a prompt (CONTENT_SCHEME): sha256 of the chat template's rendering of what the model is asked to
+    continue (its text after the tokenizer's normalization, which its token ids decode back to), nothing else."""
+    return hashlib.sha256(b"datagen-prompt/2\0" + rendered.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+
+
+def load_reject_key(reason: str, content: str) -> str:
+    """The key of a load reject: its reason and the row's content (LOAD_REJECT_KEY_PREFIX), not where the row is.
+
+    A row moved to another line or file, or left where it was while rows were added around it, keeps its key; a
+    rewritten row, or one rejected for another reason, is new.
+    """
+    digest = hashlib.sha256(f"load-reject/2\0{reason}\0{content}".encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{LOAD_REJECT_KEY_PREFIX}{digest[:32]}"
+
+
+def legacy_load_reject_key(label: str, row: int, content: str) -> str:
+    """The key the code before issue 47 gave a load reject: its source label, its row in that source, its content."""
+    digest = hashlib.sha256(f"{label}\0{row}\0{content}".encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{LOAD_REJECT_KEY_PREFIX}{digest[:32]}"
+
+
+@dataclass(frozen=True, slots=True)
+class Identified:
+    """A prompt identified: its id, its id in the other scheme, and what the model sees of it."""
+
+    prompt_id: str  # in the run's scheme
+    alias: str  # in the other scheme: the legacy id of a run under CONTENT_SCHEME, and the reverse
+    view: PromptView  # the recorded conversation as the model sees it (ids, normalized messages)
+    duplicate_key: bytes  # equal for two rows that are the same prompt under the run's scheme
+
+
 class PromptIdentity:
-    """A run's prompt ids: rendered by the checkpoint's template (`Preparer`), hashed with the source label.
+    """A run's prompt ids (module docstring), rendered by the checkpoint's template (`Preparer`).
 
     Two rows whose messages differ only in what the template normalizes (e.g. whitespace it trims) render
     to the same ids, so they are one prompt; so do rows that differ only in what the tokenizer normalizes (NFC),
-    whose messages are kept normalized. Rendering for the id also finds what could never be sent (`Unsendable`:
+    whose messages are kept normalized. Rendering also finds what could never be sent (`Unsendable`:
     template_error, prompt_too_long, invalid_unicode, prompt_decode_mismatch), and the ids it made are reused.
 
-    Every turn (`first_request` set): the id is still the hash of the whole recorded prompt's render (one
-    conversation, one id, the same in both modes), but what must fit the prompt budget is the first request (the
-    system messages and the first user turn, as generation sends it): later requests hold the regenerated answers,
-    not the recorded ones, and one that outgrows the budget ends its conversation in generation
-    (`context_exceeded`) after the earlier turns made rows. The whole render is then bounded by the model's context
-    length instead (`preparer`'s limit), which keeps the work per row bounded.
+    Every turn (`first_request` set): what must fit the prompt budget is the first request (the system messages and
+    the first user turn, as generation sends it): later requests hold the regenerated answers, not the recorded
+    ones, and one that outgrows the budget ends its conversation in generation (`context_exceeded`) after the
+    earlier turns made rows. The whole recorded conversation's render is bounded by the model's context length
+    instead (`preparer`'s limit), which keeps the work per row bounded; its ids are planning's render (the memory
+    plan's lengths) and what the legacy id hashes. The id hashes the render of `mode.identity_messages`.
     """
 
-    scheme = "rendered_token_ids"
-
-    def __init__(self, preparer: Preparer, first_request: Preparer | None = None) -> None:
+    def __init__(
+        self,
+        preparer: Preparer,
+        first_request: Preparer | None = None,
+        mode: TurnMode | None = None,
+        scheme: str = CONTENT_SCHEME,
+    ) -> None:
+        if scheme not in (CONTENT_SCHEME, LEGACY_SCHEME):
+            raise ValueError(f"unknown prompt id scheme {scheme!r}")
         self.preparer = preparer
         self.first_request = first_request
+        self.mode = mode
+        self.scheme = scheme
 
     @classmethod
-    def for_spec(cls, spec: RunSpec) -> PromptIdentity:
+    def for_spec(cls, spec: RunSpec, scheme: str = CONTENT_SCHEME) -> PromptIdentity:
         """The identity a run's prompts get; raises IdentityError when the model directory has no tokenizer."""
         path = Path(spec.model_path)
         if not (path / "tokenizer.json").is_file():
@@ -105,32 +173,115 @@ class PromptIdentity:
             )
         # The flow's own instance (ChatTokenizer.shared): one tokenizer load per process.
         chat = ChatTokenizer.shared(path)
-        return cls(*turn_mode(spec).identity_preparers(spec, chat))
+        mode = turn_mode(spec)
+        return cls(*mode.identity_preparers(spec, chat), mode=mode, scheme=scheme)
+
+    @property
+    def discards_recorded_replies(self) -> bool:
+        """The run's mode never sends the recorded assistant replies (an empty one rejects nothing)."""
+        return self.mode is not None and self.mode.discards_recorded_replies
 
     def __call__(self, source: str, messages: list[Message], tools: Tools = None) -> tuple[str, array[int]]:
         """(prompt id, rendered token ids) of `messages` (and `tools`) from `source`; raises Unsendable."""
-        prompt_id, view = self.identify(source, messages, tools)
-        return prompt_id, array("i", view.ids)
+        found = self.identify(source, messages, tools)
+        return found.prompt_id, array("i", found.view.ids)
 
-    def identify(self, source: str, messages: list[Message], tools: Tools = None) -> tuple[str, PromptView]:
-        """(prompt id, the prompt as the model sees it: ids, normalized messages); raises Unsendable."""
+    def identify(self, source: str, messages: list[Message], tools: Tools = None) -> Identified:
+        """The prompt's ids and what the model sees of it; raises Unsendable."""
+        view = self._view(messages, tools)
+        legacy = prompt_id_from_ids(source, view.ids)
+        content = content_prompt_id(self._continued(view, tools))
+        if self.scheme == LEGACY_SCHEME:
+            return Identified(legacy, content, view, array("i", view.ids).tobytes())
+        return Identified(content, legacy, view, content.encode("ascii"))
+
+    def _view(self, messages: list[Message], tools: Tools) -> PromptView:
         if self.first_request is not None:
             first = _first_request(messages)
             if len(first) == len(messages):  # one user turn: the first request is the prompt, rendered once
-                view = self.first_request.view(messages, tools)
-                return prompt_id_from_ids(source, view.ids), view
+                return self.first_request.view(messages, tools)
             try:
                 self.first_request.view(first, tools)
             except Unsendable as err:
                 raise Unsendable(
                     err.reason, f"first request (messages through the first user turn): {err.detail}"
                 ) from err
-        view = self.preparer.view(messages, tools)
-        return prompt_id_from_ids(source, view.ids), view
+        return self.preparer.view(messages, tools)
+
+    def _continued(self, view: PromptView, tools: Tools) -> str:
+        """The rendering of what the target is asked to continue (`TurnMode.identity_messages`), as the model sees
+        it: the view's own when that is all of it (no second render, no second tokenization)."""
+        continued = view.messages if self.mode is None else self.mode.identity_messages(view.messages, tools)
+        if continued == view.messages:
+            return view.text
+        try:
+            return self.preparer.chat.render(continued, self.preparer.enable_thinking, tools)
+        except TemplateError as exc:
+            raise Unsendable(
+                "template_error", f"the chat template refused the conversation as the model is sent it: {exc}"
+            ) from exc
 
     def prompt_id(self, source: str, messages: list[Message], tools: Tools = None) -> str:
         """The prompt id alone; raises Unsendable."""
-        return self(source, messages, tools)[0]
+        return self.identify(source, messages, tools).prompt_id
+
+
+class KnownPrompts(frozenset[str]):
+    """The prompt ids published before (both schemes: catalog parts of namespaces published before issue 47 list
+    legacy ids), and the source labels those legacy parts name.
+
+    A prompt is known when its id or its alias is listed, or, when legacy parts exist, when its legacy id under one
+    of their labels is (`holds`): a file such a namespace published, renamed or moved since, or whose prompts a
+    new file now holds first, is still matched. As a set it is the ids (`in` tests an id alone).
+    """
+
+    legacy_labels: tuple[str, ...]
+
+    def __new__(cls, ids: Iterable[str] = (), legacy_labels: Iterable[str] = ()) -> KnownPrompts:
+        known = super().__new__(cls, ids)
+        known.legacy_labels = tuple(sorted(set(legacy_labels)))
+        return known
+
+    def holds(self, prompt_id: str | None, alias: str | None = None, rendered: Sequence[int] | None = None) -> bool:
+        """Whether a prompt (its id, alias and whole rendered ids: the legacy id's input) was published before."""
+        if (prompt_id is not None and prompt_id in self) or (alias is not None and alias in self):
+            return True
+        if not self.legacy_labels or rendered is None:
+            return False
+        # prompt_id_from_ids for each label, the ids' JSON made once: '["<label>",[1,2,...]]'.
+        tail = "," + json.dumps(list(rendered), separators=(",", ":")) + "]"
+        return any(
+            hashlib.sha256(("[" + json.dumps(label) + tail).encode("ascii")).hexdigest()[:24] in self
+            for label in self.legacy_labels
+        )
+
+
+class KnownRejects(frozenset[str]):
+    """The keys of the input rows published before as load rejects (both key schemes), and the source labels of the
+    load-rejects parts written before issue 47, whose keys hold the label and the row's index (`holds`: a row of a
+    renamed or moved file is still matched while it keeps its index)."""
+
+    legacy_labels: tuple[str, ...]
+
+    def __new__(cls, keys: Iterable[str] = (), legacy_labels: Iterable[str] = ()) -> KnownRejects:
+        known = super().__new__(cls, keys)
+        known.legacy_labels = tuple(sorted(set(legacy_labels)))
+        return known
+
+    def holds(self, key: str | None, row: int | None = None, legacy_content: str | None = None) -> bool:
+        """Whether a load reject (its key; its row and the content the legacy key hashes) was published before."""
+        if key is not None and key in self:
+            return True
+        if row is None or legacy_content is None:
+            return False
+        return any(legacy_load_reject_key(label, row, legacy_content) in self for label in self.legacy_labels)
+
+
+def known_before(prompt: Prompt, published: Collection[str]) -> bool:
+    """Whether `published` (a `KnownPrompts`, or plain ids) holds this prompt under either of its ids."""
+    if isinstance(published, KnownPrompts):
+        return published.holds(prompt.prompt_id, prompt.alias, prompt.input_ids)
+    return prompt.prompt_id in published or (prompt.alias is not None and prompt.alias in published)
 
 
 def _first_request(messages: list[Message]) -> list[Message]:

@@ -126,7 +126,9 @@ def _messages_in(items: list[Any]) -> list[Message]:
 
 # Fields added after checkpoints and prompt files existed: written only when set, so a line without them reads
 # (and hashes, e.g. a plan's sha256) byte for byte as before they existed.
-_OMITTED_WHEN_UNSET = frozenset({"normalized", "tools", "tool_calls", "step", "turn_index", "bridge_ids", "outcome"})
+_OMITTED_WHEN_UNSET = frozenset(
+    {"normalized", "tools", "tool_calls", "step", "turn_index", "bridge_ids", "outcome", "source_id"}
+)
 
 
 def _record_json(record: Any, skip: frozenset[str] = frozenset()) -> str:
@@ -163,12 +165,17 @@ class Prompt:
     # The functions the conversation may call (OpenAI function schemas, as the row or its source gives them):
     # passed to the chat template as `tools=` wherever the prompt is rendered. None: the row declares none.
     tools: list[dict[str, Any]] | None = None
+    # The row's own id in its source (its `id` field, as text), to trace a published row back to it; None: none.
+    source_id: str | None = None
+    # The prompt's id in the other id scheme (datagen.identity: the legacy id of a run under the content scheme),
+    # held in memory only: planning matches both against the catalog of published prompts.
+    alias: str | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.messages = _messages_in(self.messages)
 
     def to_json(self) -> str:
-        return _record_json(self, skip=frozenset({"input_ids"}))
+        return _record_json(self, skip=frozenset({"input_ids", "alias"}))
 
     @classmethod
     def from_json(cls, line: str) -> Prompt:
@@ -188,6 +195,7 @@ class Reject:
     completion_tokens: int | None = None
     request_key: str | None = None  # generation stage: content key, so a rerun knows this request is settled
     location: str | None = None  # the input row: "file:line", "file:row N" or "dataset[split]:row N" (see Prompt)
+    source_id: str | None = None  # the input row's own id (see Prompt.source_id)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), ensure_ascii=False)
@@ -208,6 +216,7 @@ REJECT_SCHEMA = pa.schema(
         pa.field("completion_tokens", pa.int64()),
         pa.field("request_key", pa.string()),
         pa.field("location", pa.string()),
+        pa.field("source_id", pa.string()),  # added with issue 47: older files read with it as nulls
     ]
 )
 
@@ -243,6 +252,7 @@ class Completion:
     # and this generation (tool turns + generation prompt). None on a user turn's first step.
     bridge_ids: list[int] | None = None
     outcome: str | None = None  # on the conversation's last step: why it ended ("complete", "truncated", ...)
+    source_id: str | None = None  # see Prompt.source_id
 
     def __post_init__(self) -> None:
         self.messages = _messages_in(self.messages)
@@ -293,6 +303,9 @@ class TokenRow:
     turn_index: int = 0  # 0-based index of the user turn whose answer this row trains on
     num_loss_spans: int = 1  # runs of loss_mask == 1 (one per generated assistant message)
     span_finish_reasons: list[str] | None = None  # each loss span's finish reason, in order
+    # Where the conversation came from (issue 47): its row's place ("file:line", see Prompt.location) and own id.
+    location: str | None = None
+    source_id: str | None = None
 
 
 TOKEN_ROW_SCHEMA = pa.schema(
@@ -313,5 +326,8 @@ TOKEN_ROW_SCHEMA = pa.schema(
         pa.field("turn_index", pa.int16()),
         pa.field("num_loss_spans", pa.int16()),
         pa.field("span_finish_reasons", pa.list_(pa.string())),
+        # Added with issue 47 (nullable, so files written before read with this schema): the source row.
+        pa.field("location", pa.string()),
+        pa.field("source_id", pa.string()),
     ]
 )

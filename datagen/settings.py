@@ -142,6 +142,11 @@ class Settings(BaseSettings):
     )
     require_tmpfs_model: bool = Field(True, description="Require the model directory to live on tmpfs.")
 
+    @property
+    def s3_target(self) -> str:
+        """Where namespaces are published: endpoint, bucket and prefix (a run's files are kept per target)."""
+        return f"{self.s3_endpoint_url or 'aws'} {self.s3_bucket} {self.s3_prefix}"
+
     @field_validator("data_roots", "model_roots", mode="before")
     @classmethod
     def _roots(cls, v: object) -> object:

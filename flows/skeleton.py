@@ -44,7 +44,7 @@ from datagen.engine.dispatcher import Dispatcher
 from datagen.engine.launcher import ServerFleet
 from datagen.engine.memory_plan import MemoryPlan, PromptTokens, numerics_flags
 from datagen.engine.stats import DispatcherStats
-from datagen.identity import generation_cache_key
+from datagen.identity import KnownPrompts, KnownRejects, generation_cache_key
 from datagen.layout import RunLayout
 from datagen.operations import diskspace, report
 from datagen.publishing import catalog
@@ -264,7 +264,12 @@ def open_run(spec: RunSpec, *, layout_name: str | None = None, sources: bool = T
         spec = spec.model_copy(update={"namespace": catalog.next_expansion_namespace(store)})
         logger.info("namespace 'auto' -> %s", spec.namespace)
         report.rename_flow_run(AUTO_NAMESPACE, spec.namespace)
-    layout = RunLayout.for_run(settings.work_dir, layout_name or spec.namespace)
+    # One work dir per (S3 target, namespace): a namespace of that name under another prefix is another run.
+    layout = (
+        RunLayout.for_run(settings.work_dir, layout_name)
+        if layout_name is not None
+        else RunLayout.for_target(settings.work_dir, spec.namespace, settings.s3_target)
+    )
     run_id, run_name, flow_name = _flow_run()
     with local_lock(layout.root, f"{flow_name} {run_name or ''} {run_id or ''}".strip()):
         yield Run(settings, spec, store, layout, run_id, run_name, dry_run=False)
@@ -306,11 +311,16 @@ def published_before(run: Run) -> dict[str, Any] | None:
         return None
     publishing.refuse_other_run(store, spec.namespace, spec.model_dump(mode="json"))
     manifest = publishing.published_as_staged(store, spec.namespace, layout.staging_dir)
+    message = f"{spec.namespace} was published by an earlier attempt of this run; its catalog part is in place"
+    if manifest is None and (claim := publishing.claimed_as_staged(store, spec.namespace, layout.staging_dir)):
+        # Killed in its publish: finish it from the files it claimed (issue 47: the claim's bytes, whatever code).
+        publish_dataset(run, claim.get("lineage") or {})
+        manifest = publishing.published_as_staged(store, spec.namespace, layout.staging_dir)
+        message = f"{spec.namespace}: finished the publish an earlier attempt claimed, from the files it staged"
     if manifest is None:
         return None
     catalog_task(store, spec.namespace, layout.staging_dir)
     lineage = manifest.get("lineage") or {}
-    message = f"{spec.namespace} was published by an earlier attempt of this run; its catalog part is in place"
     get_run_logger().info("%s", message)
     return {
         "uri": store.uri(spec.namespace + "/"),
@@ -335,11 +345,11 @@ class Planned:
     projection: pilot.Projection | None
 
 
-def published_skips(run: Run) -> tuple[set[str], set[str]]:
+def published_skips(run: Run) -> tuple[KnownPrompts, KnownRejects]:
     """Prompt ids and load-reject keys other namespaces published (after repairing the catalog), or none."""
     spec, store = run.spec, run.store
     if not spec.skip_published:
-        return set(), set()
+        return KnownPrompts(), KnownRejects()
     # Repaired first: a namespace whose run was killed between manifest and part would be generated again.
     for repaired in catalog.repair(store):
         get_run_logger().warning("catalog: namespace %s was published without its catalog part; backfilled", repaired)
@@ -576,7 +586,7 @@ def manifest_lineage(
     attempt claimed.
     """
     spec, chat = run.spec, run.chat
-    turn_counts = _turn_counts(run, plan, generated)
+    turn_counts = _turn_counts(run, plan, generated, tokenized)
     lineage = {
         "run_spec": spec.model_dump(mode="json"),
         "run_id": first_attempt.run_id,
@@ -589,11 +599,15 @@ def manifest_lineage(
         **generated.hardware,
         "pipeline_version": datagen.__version__,
         "plan_sha256": plan.plan_sha256,
+        "prompt_id_scheme": plan.id_scheme,  # datagen.identity; the catalog part records it (issue 47)
         "rows": tokenized.n_rows,
         "rejects": tokenized.n_rejects,
         "rejects_by_reason": tokenized.rejects_by_reason,
         "skipped_published": plan.n_skipped_published,
         "old_rejects_skipped": plan.n_old_rejects_skipped,
+        # Rows identical to an earlier row (kept; issue 47: conversations that open alike, deterministic decoding).
+        "duplicate_rows": tokenized.duplicate_rows,
+        "duplicate_row_groups": tokenized.duplicate_groups,
     }
     if turn_counts is None:
         return lineage
@@ -601,11 +615,16 @@ def manifest_lineage(
     return lineage | {"conversations": turn_counts.summary() | published | generated.published_extra}
 
 
-def _turn_counts(run: Run, plan: planning.ShardPlan, generated: Generated) -> Any:
-    """An every-turn run's conversation counts from its checkpoint lines (None in `last` mode)."""
+def _turn_counts(
+    run: Run, plan: planning.ShardPlan, generated: Generated, tokenized: tokenization.TokenizationSummary
+) -> Any:
+    """An every-turn run's conversation counts from its checkpoint lines and what was published (None: `last`)."""
     results = generated.shard_results
     return turn_mode(run.spec).conversation_counts(
-        [Path(r.completions_path) for r in results], [Path(r.rejects_path) for r in results], plan.n_prompts
+        [Path(r.completions_path) for r in results],
+        [Path(r.rejects_path) for r in results],
+        plan.n_prompts,
+        tokenized.outcomes,
     )
 
 
@@ -684,10 +703,11 @@ def _run_facts(
         final_stats=stats,
         throughput=generated.throughput,
         lengths=report.completion_lengths(Path(r.completions_path) for r in results),
-        conversations=_turn_counts(run, plan, generated),
+        conversations=_turn_counts(run, plan, generated, tokenized),
         link=link,
         skipped_published=plan.n_skipped_published,
         old_rejects_skipped=plan.n_old_rejects_skipped,
+        duplicate_rows=tokenized.duplicate_rows,
     )
 
 

@@ -16,6 +16,7 @@ file renames, the gates and the publish remain: that tail no longer grows with t
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -54,6 +55,7 @@ class StreamingFinish:
         if len(set(self._order)) != len(self._order):
             raise ValueError(f"shard ids repeat: {self._order}")
         self._position = {shard_id: i for i, shard_id in enumerate(self._order)}
+        self._layout = layout
         self._next = 0
         self._waiting: dict[int, ShardResult] = {}
         self._handed_out = 0
@@ -95,7 +97,9 @@ class StreamingFinish:
         expected = self._order[len(self.finished)] if len(self.finished) < len(self._order) else None
         if result.shard_id != expected:
             raise ValueError(f"shard {result.shard_id} finished out of plan order (expected {expected})")
-        accepted, validation_rejects = self.validator.add(Path(result.completions_path))
+        accepted, validation_rejects = self.validator.add(
+            Path(result.completions_path), self._layout.shard_prompts(result.shard_id), Path(result.rejects_path)
+        )
         self.tokenizer.add_rejects(Path(result.rejects_path))
         self.tokenizer.add_rejects(validation_rejects)
         self.tokenizer.add_accepted(accepted)
@@ -123,6 +127,12 @@ class StreamingFinish:
         self.close_validation()
         if self._tokenized is None:
             self._tokenized = self.tokenizer.close()
+            # Every turn: each conversation's outcome as published (validation's, then tokenization's cuts).
+            outcomes = Counter(self.close_validation().conversation_outcomes)
+            for (before, after), n in self.tokenizer.moved.items():
+                outcomes[before] -= n
+                outcomes[after] += n
+            self._tokenized.outcomes = {k: n for k, n in outcomes.most_common() if n > 0}
         return self._tokenized
 
 

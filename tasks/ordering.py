@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.conversation.regeneration import Script
 from datagen.conversation.turn_mode import expected_steps
-from datagen.identity import PromptIdentity
+from datagen.identity import PromptIdentity, known_before
 from datagen.records import Prompt, Reject
 from datagen.runspec import RunSpec
 from datagen.sources.preparation import Unsendable
@@ -321,7 +321,7 @@ def run_filter(
         )
         keep = filtered(selection.keeps)
     elif skip:
-        keep = filtered(lambda p: p.prompt_id not in skip)
+        keep = filtered(lambda p: not known_before(p, skip))
     if spec.order == "long_first":
         if model is None:
             raise ValueError("order 'long_first' needs the pilot's length model")

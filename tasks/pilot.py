@@ -133,7 +133,10 @@ def plan_pilot(
     )
     n = len(sample)
     pilot_spec = spec.model_copy(update={"shard_size": max(1, math.ceil(n / pilot.shards))})
-    plan = plan_shards(pilot_spec, layout, base_dir, select=filtered(lambda p: p.prompt_id in sample))
+    # By either id: a pilot dir planned under the legacy ids (tasks.planning.id_scheme) takes the same sample.
+    plan = plan_shards(
+        pilot_spec, layout, base_dir, select=filtered(lambda p: p.prompt_id in sample or p.alias in sample)
+    )
     return plan, PilotPopulation(population_by_source=population, sample_by_source=allocated, selection=report)
 
 

@@ -26,19 +26,20 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.checks.quality import GateReport, check_load_gate
 from datagen.engine.memory_plan import PromptTokens
-from datagen.identity import PromptIdentity
+from datagen.identity import CONTENT_SCHEME, LEGACY_SCHEME, KnownPrompts, KnownRejects, PromptIdentity
 from datagen.layout import RunLayout
 from datagen.publishing.storage import sha256_file
 from datagen.records import Prompt, Reject
 from datagen.runspec import QualityGate, RunSpec
 from datagen.sources.preparation import read_rendered, rendered_path, write_rendered
-from datagen.sources.prompts import iter_prompts
+from datagen.sources.prompts import LoadReject, iter_prompts
 
 __all__ = [
     "ShardEntry",
     "ShardPlan",
     "check_plan",
     "conversation_turns",
+    "id_scheme",
     "plan_manifest_path",
     "plan_shards",
     "prompt_tokens",
@@ -91,6 +92,11 @@ class ShardPlan(BaseModel):
         description="Rows this run read and skipped because another namespace published them as load rejects "
         "(catalog load-rejects parts): neither counted by the gates nor published again (not in the hash).",
     )
+    id_scheme: str = Field(
+        LEGACY_SCHEME,
+        description="The prompt id scheme of the shards (datagen.identity; not in the hash). A plan written before "
+        "issue 47 has none: its ids are the legacy ones.",
+    )
 
 
 def plan_manifest_path(layout: RunLayout) -> Path:
@@ -116,7 +122,7 @@ def plan_shards(
     # Resolves every source first: a config error raises here, before any file is touched.
     # Prompt ids follow the rendered token ids under the model's template (see PromptIdentity); the ids it
     # renders are written beside each shard for generation (render once: datagen.sources.preparation).
-    identity = PromptIdentity.for_spec(spec)
+    identity = PromptIdentity.for_spec(spec, id_scheme(layout))
     read = _Counted(iter_prompts(spec.sources, base_dir, identity))
     known = _SkipPublished(read, published, old_rejects)
     items: Iterator[Prompt | Reject] = iter(known)
@@ -200,6 +206,7 @@ def plan_shards(
             "n_rows_in_sources": read.n,
             "n_skipped_published": known.n_published,
             "n_old_rejects_skipped": known.n_old_rejects,
+            "id_scheme": identity.scheme,
         }
     )
 
@@ -217,6 +224,33 @@ def plan_shards(
         invalidate.changed,
     )
     return plan
+
+
+def id_scheme(layout: RunLayout) -> str:
+    """The prompt id scheme of a run's work dir (datagen.identity), fixed by its first plan and kept from then on.
+
+    A work dir the code before issue 47 planned (shard files and no scheme recorded) keeps the legacy ids, so its
+    checkpoints (keyed by them) still settle its requests when the run is resumed; any other gets the content ids.
+    """
+    path = layout.id_scheme_file
+    if path.is_file():
+        recorded = path.read_text(encoding="utf-8").strip()
+        if recorded in (CONTENT_SCHEME, LEGACY_SCHEME):
+            return recorded
+        raise ValueError(f"{path}: unknown prompt id scheme {recorded!r}")
+    planned_before = layout.shards_dir.is_dir() and any(layout.shards_dir.glob("shard-*.prompts.jsonl"))
+    scheme = LEGACY_SCHEME if planned_before else CONTENT_SCHEME
+    if planned_before:
+        log.warning(
+            "%s was planned before prompt ids became the content's (issue 47): this run keeps the ids it had, so its "
+            "checkpoints still count",
+            layout.root,
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(scheme + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return scheme
 
 
 def check_plan(plan: ShardPlan, gate: QualityGate, layout: RunLayout) -> GateReport:
@@ -267,7 +301,13 @@ class _Counted:
 
 
 class _SkipPublished:
-    """Drops (and counts) the prompts and load rejects other namespaces published; passes the rest through."""
+    """Drops (and counts) the prompts and load rejects other namespaces published; passes the rest through.
+
+    A prompt is published when the catalog holds either of its ids (datagen.identity.KnownPrompts); a load reject
+    when either of its keys is listed (the content key, or the key the code before issue 47 gave it). A second row
+    of a published prompt (a `duplicate_prompt` reject: the same prompt in another file, or again in its own) is a
+    published prompt too: skipped and counted as one, never a new reject.
+    """
 
     def __init__(self, items: Iterator[Prompt | Reject], published: Collection[str], old_rejects: Collection[str]):
         self._items = items
@@ -276,13 +316,34 @@ class _SkipPublished:
         self.n_published = 0
         self.n_old_rejects = 0
 
+    def _holds(self, prompt_id: str | None, alias: str | None, rendered: array[int] | None) -> bool:
+        published = self._published
+        if isinstance(published, KnownPrompts):
+            return published.holds(prompt_id, alias, rendered)
+        return (prompt_id is not None and prompt_id in published) or (alias is not None and alias in published)
+
+    def _old(self, item: Reject) -> bool:
+        old = self._old_rejects
+        if not isinstance(item, LoadReject):
+            return item.request_key is not None and item.request_key in old
+        if isinstance(old, KnownRejects):
+            return old.holds(item.request_key, item.row, item.legacy_content)
+        return item.request_key in old or item.legacy_key in old
+
     def __iter__(self) -> Iterator[Prompt | Reject]:
         for item in self._items:
             if isinstance(item, Reject):
-                if item.request_key is not None and item.request_key in self._old_rejects:
+                if self._old(item):
                     self.n_old_rejects += 1
                     continue
-            elif item.prompt_id in self._published:
+                if (
+                    isinstance(item, LoadReject)
+                    and item.reason == "duplicate_prompt"
+                    and self._holds(item.prompt_id, item.alias, item.rendered)
+                ):
+                    self.n_published += 1
+                    continue
+            elif self._holds(item.prompt_id, item.alias, item.input_ids):
                 self.n_published += 1
                 continue
             yield item

@@ -10,7 +10,9 @@ Order of writes under the namespace:
    rejects/*.parquet, README.md), with its sha256 as object metadata; files already there with the same sha256
    are skipped.
 3. `manifest.json`, LAST: every object with size and sha256, row counts, and the lineage. A namespace without
-   manifest.json holds an incomplete dataset. A re-run that finds its own manifest there is done.
+   manifest.json holds an incomplete dataset. A re-run that finds its own manifest there is done. Rows are counted
+   from the staged files themselves (`staged_rows`: a parquet file's row count, a JSON-lines file's lines), so
+   `total_rows` and each object's `rows` are what a reader of the namespace finds.
 
 A namespace that can never be finished (its run's work dir is gone) is marked with `abandoned.json` by
 `abandon`: one more object, nothing deleted or replaced; nothing is published there afterwards.
@@ -21,12 +23,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 from pydantic import BaseModel, Field
 
 from datagen.operations.faults import kill_point
@@ -40,10 +45,12 @@ __all__ = [
     "PublishResult",
     "StagedFile",
     "abandon",
+    "claimed_as_staged",
     "publish",
     "published_as_staged",
     "refuse_other_run",
     "stage_files",
+    "staged_rows",
 ]
 
 CLAIM_NAME = "publish-claim.json"
@@ -53,6 +60,8 @@ CLAIM_FORMAT = "datagen-publish-claim/2"
 ABANDONED_NAME = "abandoned.json"
 ABANDONED_FORMAT = "datagen-abandoned/1"
 DEFAULT_WORKERS = 4
+
+log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -162,12 +171,29 @@ def _manifest_body(
         "objects": entries,
         "total_bytes": sum(o.size for o in objects),
         "total_rows": {
-            "data": sum(n for k, n in row_counts.items() if k.startswith("data/")),
-            "rejects": sum(n for k, n in row_counts.items() if k.startswith("rejects/")),
+            "data": sum(n for k, n in row_counts.items() if k.startswith("data/") and k.endswith(".parquet")),
+            "rejects": sum(n for k, n in row_counts.items() if k.startswith("rejects/") and k.endswith(".parquet")),
+            "conversations": sum(n for k, n in row_counts.items() if k.startswith("conversations/")),
         },
         "lineage": lineage,
     }
     return _json_bytes(body, namespace)
+
+
+def staged_rows(staging_dir: Path, files: list[StagedFile]) -> dict[str, int]:
+    """Rows of each staged dataset file: a parquet file's row count (its footer), a JSON-lines file's lines."""
+    rows: dict[str, int] = {}
+    for f in files:
+        path = Path(staging_dir) / f.key
+        if f.key.endswith(".parquet"):
+            try:
+                rows[f.key] = pq.read_metadata(path).num_rows
+            except (pa.ArrowException, OSError) as exc:  # published as the bytes it is; its rows are not known
+                log.warning("%s: not a readable parquet file, its rows are not counted in the manifest: %s", path, exc)
+        elif f.key.endswith(".jsonl"):
+            with path.open("rb") as handle:
+                rows[f.key] = sum(1 for line in handle if line.strip())
+    return rows
 
 
 def _row_counts(lineage: dict[str, Any]) -> dict[str, int]:
@@ -264,7 +290,8 @@ def publish(
         # Old claims (no lineage or date in them) leave this attempt's.
         pinned_lineage = body.get("lineage", lineage)
         pinned_at = str(body.get("created_at") or created_at or _now())
-        rows = _row_counts(pinned_lineage)
+        # Counted from the files (the claim's own, by their sha256): a lineage's counts can only add files.
+        rows = _row_counts(pinned_lineage) | staged_rows(staging_dir, files)
         return first, _manifest_body(uri, ns, [first, *files], pinned_lineage, rows, pinned_at)
 
     claim_file, manifest = manifest_for(claim)
@@ -368,6 +395,26 @@ def published_as_staged(store: ObjectStore, namespace: str, staging_dir: Path) -
     except (PublishError, ValueError, KeyError, TypeError):
         return None  # not this run's (or not a manifest of ours): the publish step refuses it with its reason
     return manifest if listed == [f.model_dump() for f in files] else None
+
+
+def claimed_as_staged(store: ObjectStore, namespace: str, staging_dir: Path) -> dict[str, Any] | None:
+    """The claim of an unfinished publish of exactly the files staged in staging_dir (no manifest yet), else None.
+
+    Such a publish is finished from those files as they are (`publish` takes the claim's lineage and date), without
+    validating or tokenizing again: what a resumed run would stage may differ from what was claimed (a newer
+    pipeline writes other columns), and a claim is a promise of these bytes.
+    """
+    ns = namespace.strip("/")
+    if not Path(staging_dir).is_dir() or store.head(f"{ns}/{MANIFEST_NAME}") is not None:
+        return None
+    try:
+        found = _read_claim(store, f"{ns}/{CLAIM_NAME}")
+        files = stage_files(staging_dir)
+    except PublishError:
+        return None  # not a claim of ours, or nothing staged: the publish step refuses it with its reason
+    if found is None or not _same_files(found[1], files):
+        return None
+    return found[1]
 
 
 def refuse_other_run(store: ObjectStore, namespace: str, run_spec: dict[str, Any]) -> None:

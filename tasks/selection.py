@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, Field
 
+from datagen.identity import known_before
 from datagen.records import Prompt, Reject
 
 __all__ = [
@@ -66,9 +67,11 @@ class Selection:
 
     def keeps(self, p: Prompt) -> bool:
         """Whether the run takes this prompt."""
-        if p.prompt_id in self.skip:
+        if known_before(p, self.skip):
             return False
-        return not self.capped(p) or p.prompt_id in self.capped_taken
+        # By either id: a plan under a work dir's legacy ids takes what a pass under the content ids chose.
+        taken = self.capped_taken
+        return not self.capped(p) or p.prompt_id in taken or (p.alias is not None and p.alias in taken)
 
 
 def choose(
@@ -94,7 +97,7 @@ def choose(
         if isinstance(item, Reject):
             continue
         available[item.source] += 1
-        if item.prompt_id in skip:
+        if known_before(item, skip):
             report.skipped_published += 1
         elif base.capped(item):
             candidates.append((sample_hash(seed, item.prompt_id), item.prompt_id, item.source, item.category))

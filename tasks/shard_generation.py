@@ -88,6 +88,7 @@ def generation_reject(prompt: Prompt, key: str, reason: str, detail: str) -> Rej
         prompt_id=prompt.prompt_id,
         request_key=key,
         location=prompt.location,
+        source_id=prompt.source_id,
     )
 
 
@@ -123,6 +124,7 @@ def completion_record(
         normalized=prompt.normalized,
         tools=prompt.tools,
         tool_calls=_tool_calls(prompt, result.text),
+        source_id=prompt.source_id,
     )
 
 

@@ -15,7 +15,10 @@ Output (all of it is what gets published):
 
 from __future__ import annotations
 
+import hashlib
 import shutil
+from array import array
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from itertools import chain
@@ -40,6 +43,7 @@ from datagen.conversation.export import (
 from datagen.conversation.segments import (
     CUT_META_KEY,
     EARLIER_TURN_REJECTED,
+    ENDED_BY_REJECT_META_KEY,
     Segment,
     cut_outcome,
     segments,
@@ -124,6 +128,8 @@ def _token_row(
         turn_index=turn_index,
         num_loss_spans=len(span_finish_reasons),
         span_finish_reasons=span_finish_reasons,
+        location=first.location,
+        source_id=first.source_id,
     )
 
 
@@ -319,6 +325,7 @@ def _segment_reject(seg: Segment, reason: str, detail: str) -> Reject:
         seg.completion_tokens,
         request_key=first.request_key,
         location=first.location,
+        source_id=first.source_id,
     )
 
 
@@ -339,6 +346,11 @@ class TokenizationSummary(BaseModel):
     )
     conversations: int = Field(0, description="Every turn: conversations published (one line each).")
     turns: int = Field(0, description="Every turn: user turns published (one token row each).")
+    duplicate_rows: int = Field(0, description="Rows identical (input_ids and loss_mask) to an earlier row: kept.")
+    duplicate_groups: int = Field(0, description="Distinct rows that have identical copies.")
+    # Every turn: conversations as published, by outcome (the published line's, or the reason of the reject that
+    # kept the conversation out of the rows entirely).
+    outcomes: dict[str, int] = Field(default_factory=dict, description="Outcome -> conversations, as published.")
     steps: int = Field(0, description="Every turn: generated assistant messages in the published rows.")
     reject_files: list[str] = Field(default_factory=list, description="Rejects parquet files, relative paths.")
     data_bytes: int = Field(0, description="Bytes of the training parquet files.")
@@ -369,7 +381,15 @@ class TokenizationSummary(BaseModel):
             num_files=len(self.data_files),
             num_conversations=self.conversations,
             num_turns=self.turns,
+            num_duplicate_rows=self.duplicate_rows,
+            num_duplicate_groups=self.duplicate_groups,
         )
+
+
+def _row_hash(row: TokenRow) -> int:
+    """8 bytes of a row's content (ids and mask): equal rows, equal hashes."""
+    body = array("i", row.input_ids).tobytes() + bytes(row.loss_mask)
+    return int.from_bytes(hashlib.blake2b(body, digest_size=8).digest(), "little")
 
 
 class _ParquetParts:
@@ -439,6 +459,8 @@ def _token_batch(rows: list[TokenRow]) -> pa.RecordBatch:
         pa.array([r.turn_index for r in rows], pa.int16()),
         pa.array([r.num_loss_spans for r in rows], pa.int16()),
         pa.array([r.span_finish_reasons for r in rows], pa.list_(pa.string())),
+        pa.array([r.location for r in rows], pa.string()),
+        pa.array([r.source_id for r in rows], pa.string()),
     ]
     return pa.RecordBatch.from_arrays(arrays, schema=TOKEN_ROW_SCHEMA)
 
@@ -508,6 +530,11 @@ class StreamingTokenizer:
         self._conversations = ConversationWriter(staging_dir, rows_per_file)
         self.summary = TokenizationSummary(mode=mode)
         self._pending: list[Reject] = []
+        # Every row seen, by an 8-byte hash of its ids and mask; those seen twice (datagen.checks.quality's way).
+        self._row_hashes: set[int] = set()
+        self._copied: set[int] = set()
+        # Every turn: conversations this stage cut, from the outcome validation left them with to the cut's.
+        self.moved: Counter[tuple[str, str]] = Counter()
 
     def _reject(self, r: Reject) -> None:
         summary = self.summary
@@ -567,6 +594,7 @@ class StreamingTokenizer:
                         c.prompt_id,
                         len(c.output_ids),
                         location=c.location,
+                        source_id=c.source_id,
                     )
                 )
             else:
@@ -579,6 +607,13 @@ class StreamingTokenizer:
         if rows:
             self._data.write(_token_batch(rows))
         for row in rows:
+            digest = _row_hash(row)
+            if digest in self._row_hashes:
+                summary.duplicate_rows += 1
+                self._copied.add(digest)
+                summary.duplicate_groups = len(self._copied)
+            else:
+                self._row_hashes.add(digest)
             summary.rows += 1
             summary.input_tokens += len(row.input_ids)
             summary.prompt_tokens += row.prompt_tokens
@@ -595,6 +630,11 @@ class StreamingTokenizer:
         """
         for steps in conversations:
             built = build_conversation_rows(steps, self.chat, self.enable_thinking)
+            if built.rejects and built.outcome is not None:
+                last = steps[-1]
+                before = last.outcome or last.meta.get(CUT_META_KEY) or last.meta.get(ENDED_BY_REJECT_META_KEY)
+                if isinstance(before, str):
+                    self.moved[(before, built.outcome)] += 1
             for r in built.rejects:
                 self._reject(r)
             if built.rows:

@@ -13,13 +13,13 @@ import os
 import re
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 
-from datagen.checkpoint import CheckpointLine, read_lines
+from datagen.checkpoint import CheckpointLine, read_lines, read_rows
 from datagen.checks.quality import (
     DuplicateIndex,
     SummaryBuilder,
@@ -27,18 +27,23 @@ from datagen.checks.quality import (
     Verdict,
     check_completion,
 )
+from datagen.conversation.regeneration import Script
 from datagen.conversation.segments import (
     CUT_META_KEY,
     EARLIER_TURN_REJECTED,
+    ENDED_BY_REJECT_META_KEY,
     MISSING_STEP,
     cut_outcome,
     ending_verdict,
+    rejected_turn,
     segments,
+    unreached_turn_detail,
     where,
 )
 from datagen.conversation.turn_mode import TurnMode
-from datagen.records import Completion, Reject
+from datagen.records import Completion, Prompt, Reject
 from datagen.runspec import ValidationSpec
+from datagen.sources.preparation import Unsendable
 
 __all__ = [
     "REPORT_NAME",
@@ -210,7 +215,52 @@ def _reject(c: Completion, v: Verdict) -> Reject:
         prompt_id=c.prompt_id,
         completion_tokens=len(c.output_ids),
         location=c.location,
+        source_id=c.source_id,
     )
+
+
+def _turn_reject(like: Completion | Reject | Prompt, turn: int, detail: str) -> Reject:
+    """The `earlier_turn_rejected` row of a user turn of `like`'s conversation that makes no row."""
+    return Reject(
+        stage="validate",
+        reason=EARLIER_TURN_REJECTED,
+        detail=detail,
+        source=like.source,
+        row=like.row,
+        prompt_id=like.prompt_id,
+        completion_tokens=0,
+        location=like.location,
+        source_id=like.source_id,
+    )
+
+
+@dataclass
+class _ShardConversations:
+    """What an every-turn shard holds besides its step lines: each conversation's user turns (its script) and the
+    generation reject that ended it, if one did (datagen.conversation.ledger: at most one)."""
+
+    turns: dict[str, int] = field(default_factory=dict)
+    rows: dict[str, Prompt] = field(default_factory=dict)  # where each came from (messages dropped)
+    rejected: dict[str, Reject] = field(default_factory=dict)
+    judged: set[str] = field(default_factory=set)
+
+    @classmethod
+    def read(cls, prompts_path: Path | None, rejects_path: Path | None) -> _ShardConversations:
+        out = cls()
+        if prompts_path is not None and prompts_path.is_file():
+            for line in read_lines(prompts_path):
+                prompt = Prompt.from_json(line.text)
+                try:
+                    out.turns[prompt.prompt_id] = len(Script.of(prompt).turns)
+                except Unsendable:
+                    out.turns[prompt.prompt_id] = 1  # no query: its first step was refused, the one turn
+                out.rows[prompt.prompt_id] = replace(prompt, messages=[], tools=None)
+        if rejects_path is not None:
+            for row in read_rows(rejects_path):
+                r = Reject(**row)
+                if r.prompt_id is not None:
+                    out.rejected[r.prompt_id] = r
+        return out
 
 
 def _malformed(path: Path, lineno: int, err: MalformedRecord) -> Reject:
@@ -258,14 +308,20 @@ class ShardValidator:
         self._builder = SummaryBuilder()
         self._duplicates = DuplicateIndex(steps=turns.continues)
         self._stems: set[str] = set()
+        self._shard = _ShardConversations()
 
     @property
     def summary(self) -> ValidationSummary:
         """The summary of the shards added so far."""
         return self._builder.summary
 
-    def add(self, path: Path) -> tuple[Path, Path]:
-        """Validate one shard's completions; return its (accepted, rejects) JSONL paths."""
+    def add(self, path: Path, prompts_path: Path | None = None, rejects_path: Path | None = None) -> tuple[Path, Path]:
+        """Validate one shard's completions; return its (accepted, rejects) JSONL paths.
+
+        `prompts_path` and `rejects_path` (the shard's prompts and generation rejects): where a conversation can
+        take several steps (every turn), each user turn that no step reached (its conversation ended before it) is
+        an `earlier_turn_rejected` row, and a conversation that a generation reject ended counts under its reason.
+        """
         path = Path(path)
         stem = shard_stem(path)
         if stem in self._stems:
@@ -273,8 +329,11 @@ class ShardValidator:
         self._stems.add(stem)
         builder = self._builder
         accepted_path = self.out_dir / f"{stem}.accepted.jsonl"
-        rejects_path = self.out_dir / f"{stem}.rejects.jsonl"
-        with _atomic_text(accepted_path) as acc, _atomic_text(rejects_path) as rej:
+        self._shard = (
+            _ShardConversations.read(prompts_path, rejects_path) if self.turns.continues else _ShardConversations()
+        )
+        out_rejects = self.out_dir / f"{stem}.rejects.jsonl"
+        with _atomic_text(accepted_path) as acc, _atomic_text(out_rejects) as rej:
             # Plan order, whatever finished first: the copy kept of a duplicate is the one planned first.
             for item in iter_conversations(iter_in_plan_order(path, self.turns), self.turns):
                 if isinstance(item, tuple):
@@ -283,9 +342,23 @@ class ShardValidator:
                     rej.write(r.to_json() + "\n")
                 else:
                     self._judge(self, item, acc, rej)
+            # Conversations a generation reject ended before any step: their other user turns.
+            for prompt_id, r in self._shard.rejected.items():
+                if prompt_id not in self._shard.judged:
+                    self._ended(prompt_id, r, 0, r.reason, rej)
         builder.summary.accepted_paths.append(str(accepted_path))
-        builder.summary.reject_paths.append(str(rejects_path))
-        return accepted_path, rejects_path
+        builder.summary.reject_paths.append(str(out_rejects))
+        return accepted_path, out_rejects
+
+    def _ended(self, prompt_id: str, like: Completion | Reject, ended_turn: int, why: str, rej: IO[str]) -> None:
+        """Count how the conversation ended; write a row for each of its user turns after `ended_turn`."""
+        outcomes = self._builder.summary.conversation_outcomes
+        outcomes[why] = outcomes.get(why, 0) + 1
+        origin = self._shard.rows.get(prompt_id, like)
+        for turn in range(ended_turn + 1, self._shard.turns.get(prompt_id, 0)):
+            r = _turn_reject(origin, turn, unreached_turn_detail(prompt_id, turn, ended_turn, why))
+            self._builder.reject(r)
+            rej.write(r.to_json() + "\n")
 
     def _one_line(self, steps: list[Completion], acc: IO[str], rej: IO[str]) -> None:
         """Judge a `last` conversation: its one line, by the per-sample checks, then as a duplicate."""
@@ -324,7 +397,9 @@ class ShardValidator:
                 continue
             verdict = check_completion(c, self.spec, self.enable_thinking, self.words)
             if verdict.accepted and ended is None:
-                verdict = self._duplicates.check_and_add(c, self.spec.reject_duplicate_completions)
+                duplicate = self._duplicates.check_and_add(c, self.spec.reject_duplicate_completions)
+                if not duplicate.accepted:
+                    verdict = duplicate  # else the check's verdict stays: it carries the answer's tokens
             if ended is None and verdict.accepted:
                 kept.append((c, verdict))
                 turn = c.turn_index or 0
@@ -337,10 +412,20 @@ class ShardValidator:
                 reason, detail = ended
             cut = (c, reason, detail)
             break
+        prompt_id = steps[0].prompt_id
+        self._shard.judged.add(prompt_id)
+        ended_by = self._shard.rejected.get(prompt_id)
         if cut is None:
-            for c, verdict in kept:
+            last = steps[-1]
+            for i, (c, verdict) in enumerate(kept):
                 self._builder.accept(c, verdict)
+                if i + 1 == len(kept) and last.outcome is None and ended_by is not None:
+                    c = replace(c, meta={**c.meta, ENDED_BY_REJECT_META_KEY: ended_by.reason})
                 acc.write(c.to_json() + "\n")
+            if last.outcome is not None:
+                self._ended(prompt_id, last, last.turn_index or 0, last.outcome, rej)
+            elif ended_by is not None:  # its next step was refused: that step's turn is the reject's row
+                self._ended(prompt_id, last, rejected_turn(last), ended_by.reason, rej)
             return
         failing, reason, detail = cut
         failing_turn = failing.turn_index if failing.turn_index is not None else turn
@@ -366,6 +451,18 @@ class ShardValidator:
                     ),
                 )
             r.completion_tokens = seg.completion_tokens
+            self._builder.reject(r)
+            rej.write(r.to_json() + "\n")
+        # The turns after the last one with steps: never generated (a generation reject's own turn has its row).
+        last_turn = max(failing_turn, *(seg.turn_index for seg in segments(dropped)))
+        if ended_by is not None and rejected_turn(steps[-1]) > last_turn:
+            last_turn = rejected_turn(steps[-1])
+        outcomes = self._builder.summary.conversation_outcomes
+        why = cut_outcome(reason)
+        outcomes[why] = outcomes.get(why, 0) + 1
+        for turn in range(last_turn + 1, self._shard.turns.get(prompt_id, 0)):
+            detail = f"conversation {prompt_id}, turn {turn}: turn {failing_turn} was rejected ({reason})"
+            r = _turn_reject(self._shard.rows.get(prompt_id, failing), turn, detail)
             self._builder.reject(r)
             rej.write(r.to_json() + "\n")
 

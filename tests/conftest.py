@@ -39,6 +39,8 @@ LONG_FILES_FIRST = (
     "tests/e2e/test_pilot.py",
     "tests/e2e/test_flow_bad_input.py",
     "tests/e2e/test_expansion.py",
+    "tests/e2e/test_prompt_identity.py",
+    "tests/e2e/test_before_issue47.py",
     "tests/e2e/test_serving.py",
     "tests/e2e/test_conversation_export.py",
 )

@@ -159,8 +159,11 @@ def build_conversation(
             clean.append(_clean_assistant(step))
             if j + 1 == len(turn.steps):
                 break
-            for result in step.results:
-                history.append(Message(role="tool", content=result))
+            calls_made = history[-1].tool_calls or ()
+            for i, result in enumerate(step.results):
+                # The engine pairs each spliced result with the call it answers (datagen.conversation.regeneration).
+                answers = calls_made[i].id if len(calls_made) == len(step.results) else None
+                history.append(Message(role="tool", content=result, tool_call_id=answers))
                 clean.append({"role": "tool", "content": result})
             # The continuation's prompt: the template's render of the longer history must extend what was sent
             # plus what was generated; the ids between are the bridge.

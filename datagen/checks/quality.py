@@ -452,6 +452,11 @@ class ValidationSummary(BaseModel):
     answer_tokens: TokenDistribution = Field(
         default_factory=TokenDistribution, description="Accepted samples' answer tokens (after </think>)."
     )
+    conversation_outcomes: dict[str, int] = Field(
+        default_factory=dict,
+        description="Every turn: outcome -> conversations, as validation leaves them (its cuts included; a "
+        "conversation a generation reject ended counts under that reject's reason).",
+    )
     accepted_paths: list[str] = Field(default_factory=list, description="Accepted completions, JSONL, per shard.")
     reject_paths: list[str] = Field(default_factory=list, description="Validation rejects, JSONL, per shard.")
 

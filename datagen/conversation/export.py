@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -83,10 +84,22 @@ def _message_json(m: Message) -> dict[str, Any]:
     return out
 
 
-def assistant_turn(c: Completion, enable_thinking: bool) -> Message:
-    """The generated turn as a message: reasoning, answer, and the calls parsed from it (their markup left out)."""
+def assistant_turn(c: Completion, enable_thinking: bool, step: int | None = None) -> Message:
+    """The generated turn as a message: reasoning, answer, and the calls parsed from it (their markup left out).
+
+    Each call gets an OpenAI id when it has none: `call_<step>_<i>` (`step`: the step it is, default the line's),
+    unique in its conversation; where recorded results follow, the engine gives it the recorded one
+    (datagen.conversation.regeneration.paired_calls).
+    """
     reasoning, answer = split_reasoning(c.text, enable_thinking)
-    calls = tuple(c.tool_calls) if c.tool_calls else None
+    step = step if step is not None else c.step or 0
+    calls = (
+        tuple(
+            call if call.id is not None else replace(call, id=f"call_{step}_{i}") for i, call in enumerate(c.tool_calls)
+        )
+        if c.tool_calls
+        else None
+    )
     if calls is not None and TOOL_CALL_START in answer:
         # As SGLang's tool parsers return it: the visible text before the first call.
         answer = answer[: answer.index(TOOL_CALL_START)]
@@ -107,6 +120,11 @@ def conversation_record(c: Completion, enable_thinking: bool) -> dict[str, Any]:
     }
     if c.tools is not None:
         record["tools"] = json.dumps(c.tools, ensure_ascii=False)
+    # Where it came from (issue 47): the source row's place ("file:line") and its own id.
+    if c.location is not None:
+        record["location"] = c.location
+    if c.source_id is not None:
+        record["source_id"] = c.source_id
     return record
 
 

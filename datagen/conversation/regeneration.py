@@ -36,7 +36,7 @@ from datagen.chat import TemplateError
 from datagen.conversation.export import assistant_turn, assistant_view
 from datagen.conversation.segments import cut_outcome
 from datagen.conversation.toolcalls import answer_text, parse_tool_calls
-from datagen.records import Completion, Message, Prompt
+from datagen.records import Completion, Message, Prompt, ToolCall
 from datagen.sources.preparation import Preparer, Unsendable
 
 __all__ = [
@@ -123,6 +123,7 @@ class RecordedStep:
 
     calls: tuple[str, ...]
     results: tuple[Message, ...] = ()
+    call_ids: tuple[str | None, ...] = ()  # the recorded calls' own ids (OpenAI `tool_calls[i].id`), when given
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +156,8 @@ class Script:
         """
         head: list[Message] = []
         openings: list[list[Message]] = []  # per user turn
-        recorded: list[list[tuple[tuple[str, ...], list[Message]]]] = []  # per user turn: (calls, results) per step
+        # Per user turn: (calls, results, call ids) per recorded step.
+        recorded: list[list[tuple[tuple[str, ...], list[Message], tuple[str | None, ...]]]] = []
         for m in prompt.messages:
             answered = bool(recorded and recorded[-1])  # the current user turn has a recorded step
             if is_query(m) and (answered or not openings):
@@ -165,7 +167,7 @@ class Script:
                 if m.role in ("system", "user"):
                     head.append(m)
             elif m.role == "assistant":
-                recorded[-1].append((_recorded_calls(m), []))
+                recorded[-1].append((_recorded_calls(m), [], tuple(c.id for c in m.tool_calls or ())))
             elif answered:
                 recorded[-1][-1][1].append(m)  # a result of the last recorded step
             else:
@@ -175,11 +177,31 @@ class Script:
         return cls(
             head=tuple(head),
             turns=tuple(
-                UserTurn(tuple(opening), tuple(RecordedStep(calls, tuple(results)) for calls, results in steps))
+                UserTurn(
+                    tuple(opening),
+                    tuple(RecordedStep(calls, tuple(results), ids) for calls, results, ids in steps),
+                )
                 for opening, steps in zip(openings, recorded, strict=True)
             ),
             tools=prompt.tools,
         )
+
+    def recorded_view(self) -> list[Message]:
+        """What a regeneration takes from the recording, as messages: the head, each user turn's opening and, per
+        recorded step, an assistant turn that holds only the names of the functions it called (no text, no
+        reasoning, no arguments: the model writes its own) followed by the results recorded after it.
+
+        Two conversations with the same view are regenerated alike: the recorded assistant text that every turn
+        discards, and the messages before the first query it leaves out, are not in it (datagen.identity hashes it).
+        """
+        out: list[Message] = list(self.head)
+        for turn in self.turns:
+            out.extend(turn.opening)
+            for step in turn.steps:
+                calls = tuple(ToolCall(name=name, arguments={}) for name in step.calls) or None
+                out.append(Message(role="assistant", content="", tool_calls=calls))
+                out.extend(step.results)
+        return out
 
 
 def _recorded_calls(m: Message) -> tuple[str, ...]:
@@ -251,7 +273,7 @@ class Regenerator:
         failed = self.check(c) if self.check is not None else None
         if failed is not None:
             return Ended(cut_outcome(failed[0]), failed[1])
-        history = [*req.messages, assistant_turn(c, self.preparer.enable_thinking)]
+        history = [*req.messages, assistant_turn(c, self.preparer.enable_thinking, req.step)]
         if made:
             if recorded is None or not recorded.calls:
                 said = "answered in words" if recorded is not None else "recorded no further step"
@@ -260,7 +282,8 @@ class Regenerator:
                 return Ended(TOOL_CALL_DIVERGENCE, f"called {_names(made)}, the recorded turn {_names(recorded.calls)}")
             if not recorded.results:
                 return Ended(UNEXPECTED_TOOL_CALL, f"called {_names(made)}; no recorded results follow that call")
-            return self._continuation(script, req, c, [*history, *recorded.results])
+            turn_with_ids, results = paired_calls(history[-1], recorded)
+            return self._continuation(script, req, c, [*history[:-1], turn_with_ids, *results])
         if recorded is not None and recorded.calls:
             return Ended(TOOL_CALL_MISSING, f"answered in words, the recorded turn called {_names(recorded.calls)}")
         if req.turn_index + 1 == len(script.turns):
@@ -324,6 +347,33 @@ class Regenerator:
                 f"{len(ids)} tokens, the line says {last.prompt_tokens} were sent"
             )
         return StepRequest(last.step, last.turn_index, len(turn) - 1, list(last.messages), ids, last.bridge_ids)
+
+
+def paired_calls(turn: Message, recorded: RecordedStep) -> tuple[Message, tuple[Message, ...]]:
+    """The model's calling turn and the recorded results spliced after it, their OpenAI ids paired.
+
+    The model's calls (the same functions as recorded, in order) take the recorded calls' ids, else the ids the
+    recorded results answer (`tool_call_id`), else keep theirs (`assistant_turn` gives each one); a recorded `tool`
+    result without a `tool_call_id` then answers the call at its place. A consumer that pairs calls and results by
+    id finds each result's call (issue 47: the regenerated calls had no ids, the results the recorded ones).
+    """
+    calls = list(turn.tool_calls or ())
+    tools = [m for m in recorded.results if m.role == "tool"]
+    paired_by_result = len(tools) == len(calls)
+    for i, call in enumerate(calls):
+        recorded_id = recorded.call_ids[i] if i < len(recorded.call_ids) else None
+        answered = tools[i].tool_call_id if paired_by_result else None
+        if recorded_id is not None or answered is not None:
+            calls[i] = replace(call, id=recorded_id if recorded_id is not None else answered)
+    results = list(recorded.results)
+    if paired_by_result:
+        k = 0
+        for j, m in enumerate(results):
+            if m.role == "tool":
+                if m.tool_call_id is None:
+                    results[j] = replace(m, tool_call_id=calls[k].id)
+                k += 1
+    return replace(turn, tool_calls=tuple(calls) or None), tuple(results)
 
 
 def _names(calls: tuple[str, ...]) -> str:

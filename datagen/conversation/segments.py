@@ -16,12 +16,15 @@ from datagen.records import Completion
 __all__ = [
     "CUT_META_KEY",
     "EARLIER_TURN_REJECTED",
+    "ENDED_BY_REJECT_META_KEY",
     "MISSING_STEP",
     "Segment",
     "conversations",
     "cut_outcome",
     "ending_verdict",
+    "rejected_turn",
     "segments",
+    "unreached_turn_detail",
     "where",
 ]
 
@@ -32,6 +35,8 @@ MISSING_STEP = "missing_step"
 _REJECTED_PREFIX = "rejected_"
 # Where validation records, on the last step it keeps of a cut conversation, the outcome it ended with.
 CUT_META_KEY = "conversation_cut"
+# ... and, on the last step of a conversation a generation reject ended (its next step was refused), that reason.
+ENDED_BY_REJECT_META_KEY = "ended_by_reject"
 
 
 def cut_outcome(reason: str) -> str:
@@ -81,6 +86,22 @@ def segments(steps: list[Completion]) -> list[Segment]:
         else:
             out.append(Segment(c.turn_index or 0, (c,)))
     return out
+
+
+def rejected_turn(last: Completion | None) -> int:
+    """The user turn of the step after `last` (a generation reject's step): the same turn when `last` called
+    functions (a continuation after its results), else the next one; turn 0 when there is no step before it."""
+    if last is None:
+        return 0
+    turn = last.turn_index or 0
+    return turn if last.tool_calls else turn + 1
+
+
+def unreached_turn_detail(conversation: str, turn: int, ended_turn: int, why: str) -> str:
+    """The detail of an `earlier_turn_rejected` row of a user turn never generated: its conversation ended before."""
+    return (
+        f"conversation {conversation}, turn {turn}: not generated: the conversation ended at turn {ended_turn} ({why})"
+    )
 
 
 def ending_verdict(c: Completion, expected_step: int, previous_turn: int) -> tuple[str, str] | None:

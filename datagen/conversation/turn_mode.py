@@ -17,12 +17,12 @@ never the spec:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from datagen.chat import ChatTokenizer
+from datagen.chat import ChatTokenizer, Tools
 from datagen.checks.quality import check_completion
 from datagen.checks.repetition import word_tokens
 from datagen.conversation.regeneration import (
@@ -37,7 +37,7 @@ from datagen.conversation.regeneration import (
     step_record,
 )
 from datagen.conversation.turn_stats import StepTail, TurnCounts
-from datagen.records import Completion, Prompt
+from datagen.records import Completion, Message, Prompt
 from datagen.runspec import RunSpec
 from datagen.sources.preparation import Preparer, RenderedIds, Unsendable, preparer_for, read_rendered
 
@@ -105,6 +105,9 @@ class TurnMode(ABC):
     # The unit two writers' rows of one shard are merged by (a multi-box run's parts, tasks/shard_exchange.py): the
     # request key (a conversation is one line) or the conversation (a chain of step lines, each following the last).
     merge_unit: ClassVar[Literal["request", "conversation"]]
+    # The recorded assistant replies never reach the model (every turn writes its own): an empty or null one is no
+    # reason to refuse a conversation at load (datagen.sources.prompts).
+    discards_recorded_replies: ClassVar[bool]
 
     @abstractmethod
     def step_key(self, key: str, step: int) -> str:
@@ -152,7 +155,13 @@ class TurnMode(ABC):
 
     @abstractmethod
     def identity_preparers(self, spec: RunSpec, chat: ChatTokenizer) -> tuple[Preparer, Preparer | None]:
-        """(the render a prompt id hashes, the first request's when it is another): datagen.identity.PromptIdentity."""
+        """(the recorded conversation's render, checked against the budget it must fit; the first request's when it
+        is another): datagen.identity.PromptIdentity."""
+
+    @abstractmethod
+    def identity_messages(self, messages: list[Message], tools: Tools) -> list[Message]:
+        """What the target is asked to continue, as messages: the part of a recorded conversation this mode sends
+        to the model (a prompt's id hashes its render, datagen.identity); raises Unsendable when it has none."""
 
     @abstractmethod
     def step_tail(self, completions: Sequence[Path], rejects: Sequence[Path], planned: int) -> StepTail | None:
@@ -160,12 +169,21 @@ class TurnMode(ABC):
         line (its progress is the dispatcher's count)."""
 
     def conversation_counts(
-        self, completions: Sequence[Path], rejects: Sequence[Path], planned: int
+        self,
+        completions: Sequence[Path],
+        rejects: Sequence[Path],
+        planned: int,
+        outcomes: Mapping[str, int] | None = None,
     ) -> TurnCounts | None:
         """The conversations and steps these checkpoint files hold now (the manifest's `conversations` block, the
-        run report); None where a prompt is one line (a `last` run's manifest and report have none)."""
+        run report); None where a prompt is one line (a `last` run's manifest and report have none). `outcomes`:
+        the conversations by outcome as published (validation's and tokenization's cuts included), which then
+        replace the generation's."""
         tail = self.step_tail(completions, rejects, planned)
-        return None if tail is None else tail.poll()
+        if tail is None:
+            return None
+        counts = tail.poll()
+        return counts if not outcomes else replace(counts, outcomes=dict(outcomes))
 
 
 class LastTurn(TurnMode):
@@ -177,6 +195,7 @@ class LastTurn(TurnMode):
     progress_label = "prompts with a result"
     cache_tag = ""
     merge_unit = "request"
+    discards_recorded_replies = False  # the recorded history is the prompt, replies included
 
     def step_key(self, key: str, step: int) -> str:
         return key
@@ -205,6 +224,9 @@ class LastTurn(TurnMode):
     def identity_preparers(self, spec: RunSpec, chat: ChatTokenizer) -> tuple[Preparer, Preparer | None]:
         return preparer_for(spec, chat), None  # the prompt as recorded is the request
 
+    def identity_messages(self, messages: list[Message], tools: Tools) -> list[Message]:
+        return messages  # the recorded conversation, its replies included, is what the model continues
+
     def step_tail(self, completions: Sequence[Path], rejects: Sequence[Path], planned: int) -> StepTail | None:
         return None
 
@@ -224,6 +246,7 @@ class EveryTurn(TurnMode):
     progress_label = "conversations finished"
     cache_tag = "-turns-every"
     merge_unit = "conversation"
+    discards_recorded_replies = True
 
     def step_key(self, key: str, step: int) -> str:
         return step_key(key, step)
@@ -262,6 +285,12 @@ class EveryTurn(TurnMode):
             f"(turns: every; the conversation as recorded must fit the model's context_length {spec.context_length})",
         )
         return whole, preparer_for(spec, chat)
+
+    def identity_messages(self, messages: list[Message], tools: Tools) -> list[Message]:
+        # The system prompt, the user turns and the recorded tool rounds (names and results), not the replies.
+        return Script.of(
+            Prompt(prompt_id="", source="", row=0, messages=messages, tools=_listed(tools))
+        ).recorded_view()
 
     def step_tail(self, completions: Sequence[Path], rejects: Sequence[Path], planned: int) -> StepTail | None:
         return StepTail(completions, rejects, planned=planned)
@@ -370,3 +399,7 @@ class _EverySteps(Steps):
 
     def record(self, c: Completion, req: StepRequest, ended: Ended | None) -> Completion:
         return step_record(c, req, ended)
+
+
+def _listed(tools: Tools) -> list[dict[str, Any]] | None:
+    return None if tools is None else [dict(t) for t in tools]

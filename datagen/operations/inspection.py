@@ -77,6 +77,11 @@ def _conversation_counts(store: ObjectStore, ns: str, manifest: dict[str, Any]) 
             f"{turns.get('conversations_planned', 0):,} planned; {turns.get('steps', 0):,} steps generated, "
             f"{turns.get('user_turns', 0):,} user turns answered" + (f"; ended: {outcomes}" if outcomes else "")
         )
+        if isinstance(turns.get("published"), int):
+            lines.append(
+                f"published: {turns['published']:,} conversations, {turns.get('published_user_turns', 0):,} user "
+                "turns (one row each)"
+            )
     data = [e for e in manifest.get("objects", []) if str(e.get("key", "")).startswith("data/")]
     size = sum(int(e.get("size", 0)) for e in data)
     if size > ROW_COLUMNS_READ_LIMIT:
@@ -123,7 +128,8 @@ def inspect_namespace(store: ObjectStore, namespace: str, examples: int = 2) -> 
     manifest: dict[str, Any] = json.loads(store.get_bytes(f"{ns}/{MANIFEST}"))
     lineage = manifest.get("lineage", {})
     totals = manifest.get("total_rows", {})
-    # The flow records its counts in the lineage; per-object row counts are only there when a publish passed them.
+    # The flow records its counts in the lineage; the manifest counts each object's rows from the files themselves
+    # (a namespace published before issue 47 has none there: total_rows 0).
     rows = lineage.get("rows") if isinstance(lineage.get("rows"), int) else totals.get("data", 0)
     rejects = lineage.get("rejects") if isinstance(lineage.get("rejects"), int) else totals.get("rejects", 0)
     lines += [
@@ -132,6 +138,11 @@ def inspect_namespace(store: ObjectStore, namespace: str, examples: int = 2) -> 
         f"model {lineage.get('model_path')} (fingerprint {str(lineage.get('model_fingerprint'))[:12]}), "
         f"engine {lineage.get('engine')} {lineage.get('engine_version') or ''}".rstrip(),
     ]
+    if isinstance(lineage.get("duplicate_rows"), int):
+        lines.append(
+            f"identical rows: {lineage['duplicate_rows']:,} rows repeat an earlier row "
+            f"({lineage.get('duplicate_row_groups', 0):,} distinct rows with copies; kept)"
+        )
     lines += _conversation_counts(store, ns, manifest)
     lines += ["", "files:"]
     for entry in manifest.get("objects", []):

@@ -495,6 +495,7 @@ class RunFacts:
     link: str | None = None  # dataset_link's browser link, where it is not the s3:// location itself
     skipped_published: int = 0  # prompts of the sources other namespaces published: skipped
     old_rejects_skipped: int = 0  # rows other namespaces published as load rejects: skipped, not published again
+    duplicate_rows: int = 0  # training rows identical to an earlier one (kept: docs/data-quality.md)
 
     def summary(self) -> dict[str, Any]:
         """The flow's return value (and the CLI's summary): plain JSON."""
@@ -516,6 +517,7 @@ class RunFacts:
             "dry_run": self.dry_run,
             "skipped_published": self.skipped_published,
             "old_rejects_skipped": self.old_rejects_skipped,
+            "duplicate_rows": self.duplicate_rows,
         } | ({"conversations": self.conversations.summary()} if self.conversations is not None else {})
 
 
@@ -541,6 +543,7 @@ def run_report(facts: RunFacts) -> str:
                 ("prompts planned", f"{facts.prompts:,} in {facts.shards} shards"),
                 ("shards reused from checkpoints / cache", facts.shards_reused),
                 ("training rows", f"{facts.rows:,}"),
+                ("rows identical to an earlier row (kept)", f"{facts.duplicate_rows:,}"),
                 ("rejects", f"{facts.rejects:,} ({reject_rate:.1f}%)"),
                 ("prompts skipped as published before", f"{facts.skipped_published:,}"),
                 ("old rejects skipped (published before, not again)", f"{facts.old_rejects_skipped:,}"),

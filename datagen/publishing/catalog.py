@@ -9,6 +9,12 @@ The load-rejects part lets a later expansion over the same (grown) source skip t
 rejects instead of publishing and counting them again (tasks.planning); namespaces published before load rejects
 were keyed have none, so their broken rows are published once more by the next expansion, then never again.
 
+Prompt ids (datagen.identity): a part records the scheme of its ids in its parquet metadata (`datagen.id_scheme`),
+taken from its namespace's manifest (`lineage.prompt_id_scheme`); a part without it lists legacy ids (the source
+label and the recorded conversation's render), and its `source` labels are kept with the ids
+(`published_prompt_ids` returns `KnownPrompts`), so an expansion matches those prompts under any label they
+were published with. The catalog holds both schemes side by side; nothing in it is rewritten.
+
 A part is written with `put_if_absent` right after its namespace's manifest, so it never changes once written and
 the catalog is the union of its parts. `_catalog/` cannot collide with a namespace (namespaces start with a letter
 or digit). A namespace published without its part (a crash between manifest and part, a publish from before the
@@ -19,6 +25,7 @@ run calls before it reads the catalog: whatever its name, a published namespace'
 from __future__ import annotations
 
 import io
+import json
 import logging
 import re
 from collections.abc import Iterable
@@ -28,6 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from datagen.identity import LEGACY_SCHEME, KnownPrompts, KnownRejects
 from datagen.operations.faults import kill_point
 from datagen.publishing.storage import ObjectExists, ObjectStore
 
@@ -41,6 +49,7 @@ __all__ = [
     "build_load_rejects",
     "build_part",
     "catalog_namespaces",
+    "id_scheme_of",
     "load_rejects_key",
     "next_expansion_namespace",
     "part_key",
@@ -58,6 +67,7 @@ _PART_SUFFIX = ".prompt-ids.parquet"
 _LOAD_REJECTS_SUFFIX = ".load-rejects.parquet"
 _ROW_KEY_PREFIX = "row:"  # datagen.sources.prompts.LOAD_REJECT_KEY_PREFIX (storage code does not import the loaders)
 _MANIFEST = "manifest.json"  # tasks.publishing.MANIFEST_NAME; repeated here so storage code does not import tasks
+_SCHEME_KEY = b"datagen.id_scheme"  # a part's parquet metadata: the scheme of its prompt ids (none: legacy)
 _EXPANSION_RE = re.compile(rf"^{EXPANSION_PREFIX}(\d+)$")
 
 CATALOG_SCHEMA = pa.schema(
@@ -96,10 +106,16 @@ def load_rejects_key(namespace: str) -> str:
 
 
 def _status_table(table: pa.Table, status: str, rank: int, file_no: int) -> pa.Table:
-    """One file's rows as catalog columns plus sort keys (rank: data 0, rejected 1; seq: see below)."""
+    """One file's rows as catalog columns plus sort keys (rank: data 0, rejected 1, a later turn's
+    `earlier_turn_rejected` 2; seq: see below)."""
     n = table.num_rows
     category = table.column("category") if "category" in table.column_names else pa.nulls(n, pa.string())
     reason = table.column("reason") if "reason" in table.column_names else pa.nulls(n, pa.string())
+    ranks: pa.Array | pa.ChunkedArray = pa.array([rank] * n, pa.int8())
+    if rank and n:
+        # A user turn after the one that ended its conversation says less than that turn's own reject: kept last.
+        later = pc.fill_null(pc.equal(reason.cast(pa.string()), "earlier_turn_rejected"), False)
+        ranks = pc.if_else(later, pa.scalar(rank + 1, pa.int8()), pa.scalar(rank, pa.int8()))
     return pa.table(
         {
             "prompt_id": table.column("prompt_id").cast(pa.string()),
@@ -107,15 +123,18 @@ def _status_table(table: pa.Table, status: str, rank: int, file_no: int) -> pa.T
             "category": category.cast(pa.string()),
             "status": pa.array([status] * n, pa.string()),
             "reason": reason.cast(pa.string()),
-            "_rank": pa.array([rank] * n, pa.int8()),
+            "_rank": ranks,
             # Sorted descending: the last rejected row wins, the first data row (data rows come negated).
             "_seq": pa.array([(file_no << 40) + i if rank else -((file_no << 40) + i) for i in range(n)], pa.int64()),
         }
     )
 
 
-def build_part(parquet_files: Iterable[tuple[str, bytes | Path]]) -> bytes:
+def build_part(parquet_files: Iterable[tuple[str, bytes | Path]], id_scheme: str = LEGACY_SCHEME) -> bytes:
     """Catalog part bytes from a dataset's parquet files ("data/..." or "rejects/..." names), sorted by prompt id.
+
+    `id_scheme`: the scheme of the namespace's prompt ids, recorded in the part (none is written for the legacy one,
+    so a part is the bytes it always was for it).
 
     A prompt id listed more than once keeps `data` over `rejected`, else its last row. Built in Arrow, not as
     Python objects: at a million ids a dict of strings cost ~300 MB at the end of every run (scale benchmark).
@@ -143,13 +162,20 @@ def build_part(parquet_files: Iterable[tuple[str, bytes | Path]]) -> bytes:
         table = rows.select(["prompt_id", "source", "category", "status", "reason"]).cast(CATALOG_SCHEMA)
     else:
         table = CATALOG_SCHEMA.empty_table()
+    if id_scheme != LEGACY_SCHEME:
+        table = table.replace_schema_metadata({_SCHEME_KEY: id_scheme.encode()})
     out = io.BytesIO()
     pq.write_table(table, out, compression="zstd")
     return out.getvalue()
 
 
-def build_load_rejects(parquet_files: Iterable[tuple[str, bytes | Path]]) -> bytes | None:
-    """The load-rejects part from a dataset's parquet files: keyed load rejects, sorted by key; None when none."""
+def build_load_rejects(
+    parquet_files: Iterable[tuple[str, bytes | Path]], id_scheme: str = LEGACY_SCHEME
+) -> bytes | None:
+    """The load-rejects part from a dataset's parquet files: keyed load rejects, sorted by key; None when none.
+
+    `id_scheme` is recorded as in `build_part`: a part without it holds the keys of the code before issue 47.
+    """
     tables: list[pa.Table] = []
     for name, content in parquet_files:
         if not name.startswith("rejects/"):
@@ -182,6 +208,8 @@ def build_load_rejects(parquet_files: Iterable[tuple[str, bytes | Path]]) -> byt
     if rows.num_rows == 0:
         return None
     rows = rows.take(pc.sort_indices(rows, [("request_key", "ascending")])).cast(LOAD_REJECTS_SCHEMA)
+    if id_scheme != LEGACY_SCHEME:
+        rows = rows.replace_schema_metadata({_SCHEME_KEY: id_scheme.encode()})
     out = io.BytesIO()
     pq.write_table(rows, out, compression="zstd")
     return out.getvalue()
@@ -198,10 +226,25 @@ def write_part(store: ObjectStore, namespace: str, staging_dir: Path) -> int:
 
     An existing part is accepted only when it lists exactly the same prompt ids (a resumed run). The load-rejects
     part goes first: the prompt-ids part marks a namespace catalogued (repair backfills only where it is missing).
+    The ids' scheme is the one the namespace's manifest names.
     """
     files = _staged_parquet(staging_dir)
-    _put_load_rejects(store, namespace, build_load_rejects(files))
-    return _put_part(store, namespace, build_part(files))
+    scheme = id_scheme_of(store, namespace)
+    _put_load_rejects(store, namespace, build_load_rejects(files, scheme))
+    return _put_part(store, namespace, build_part(files, scheme))
+
+
+def id_scheme_of(store: ObjectStore, namespace: str) -> str:
+    """The prompt id scheme a published namespace's manifest names (`lineage.prompt_id_scheme`); legacy without."""
+    key = f"{namespace}/{_MANIFEST}"
+    if store.head(key) is None:
+        return LEGACY_SCHEME
+    try:
+        lineage = json.loads(store.get_bytes(key)).get("lineage") or {}
+        scheme = lineage.get("prompt_id_scheme")
+    except (ValueError, AttributeError):
+        return LEGACY_SCHEME
+    return scheme if isinstance(scheme, str) else LEGACY_SCHEME
 
 
 def _put_load_rejects(store: ObjectStore, namespace: str, body: bytes | None) -> None:
@@ -224,15 +267,21 @@ def _keys(body: bytes) -> set[str]:
     return set(pq.read_table(io.BytesIO(body), columns=["request_key"]).column("request_key").to_pylist())
 
 
-def published_load_rejects(store: ObjectStore, exclude: Iterable[str] = ()) -> set[str]:
-    """The keys of every input row a namespace (but the `exclude` ones) published as a load reject."""
+def published_load_rejects(store: ObjectStore, exclude: Iterable[str] = ()) -> KnownRejects:
+    """The keys of every input row a namespace (but the `exclude` ones) published as a load reject, with the source
+    labels of the parts written before issue 47 (their keys hold the label: datagen.identity.KnownRejects)."""
     skip = set(exclude)
     keys: set[str] = set()
+    legacy_labels: set[str] = set()
     for o in store.list(CATALOG_DIR):
         name = o.key[len(CATALOG_DIR) :]
         if name.endswith(_LOAD_REJECTS_SUFFIX) and "/" not in name and name[: -len(_LOAD_REJECTS_SUFFIX)] not in skip:
-            keys |= _keys(store.get_bytes(o.key))
-    return keys
+            body = store.get_bytes(o.key)
+            table = pq.read_table(io.BytesIO(body), columns=["request_key", "source"])
+            keys |= set(table.column("request_key").to_pylist())
+            if (table.schema.metadata or {}).get(_SCHEME_KEY) is None:
+                legacy_labels |= set(pc.unique(table.column("source")).to_pylist())
+    return KnownRejects(keys, legacy_labels)
 
 
 def _put_part(store: ObjectStore, namespace: str, body: bytes) -> int:
@@ -267,22 +316,30 @@ def catalog_namespaces(store: ObjectStore) -> list[str]:
     ]
 
 
-def published_prompt_ids(store: ObjectStore, exclude: Iterable[str] = (), retry: Iterable[str] = ()) -> set[str]:
+def published_prompt_ids(store: ObjectStore, exclude: Iterable[str] = (), retry: Iterable[str] = ()) -> KnownPrompts:
     """Every prompt id in the catalog (data and rejected), except the parts of the `exclude` namespaces.
 
     A prompt whose only rows are rejects with a reason in `retry` is left out (a later run generates it again);
-    a part from before the catalog kept reasons cannot tell, so its rejects stay in.
+    a part from before the catalog kept reasons cannot tell, so its rejects stay in. The ids of both schemes, with
+    the source labels of the parts whose ids are legacy (`KnownPrompts`, module docstring).
     """
     skip = set(exclude)
     retried = set(retry)
     ids: set[str] = set()
+    legacy_labels: set[str] = set()
     for namespace in catalog_namespaces(store):
         if namespace in skip:
             continue
+        body = store.get_bytes(part_key(namespace))
+        legacy = (pq.read_schema(io.BytesIO(body)).metadata or {}).get(_SCHEME_KEY) is None
+        # Python strings only for the columns needed: at a million ids each column costs ~100 MB.
+        columns = None if retried else ["prompt_id", "source"] if legacy else ["prompt_id"]
+        table = pq.read_table(io.BytesIO(body), columns=columns)
+        if legacy:
+            legacy_labels |= set(pc.unique(table.column("source")).to_pylist())
         if not retried:
-            ids |= _part_ids(store, namespace)
+            ids |= set(table.column("prompt_id").to_pylist())
             continue
-        table = pq.read_table(io.BytesIO(store.get_bytes(part_key(namespace))))
         if "reason" not in table.column_names:
             log.warning("catalog: %s has no reject reasons; its rejects are not retried", part_key(namespace))
             ids |= set(table.column("prompt_id").to_pylist())
@@ -293,7 +350,7 @@ def published_prompt_ids(store: ObjectStore, exclude: Iterable[str] = (), retry:
         again = pc.fill_null(again, False)
         ids |= set(table.filter(pc.invert(again)).column("prompt_id").to_pylist())
     # A prompt rejected for a retried reason here but published (or rejected otherwise) in another namespace: skipped.
-    return ids
+    return KnownPrompts(ids, legacy_labels)
 
 
 def backfill(store: ObjectStore, namespace: str) -> bool:
@@ -310,8 +367,9 @@ def backfill(store: ObjectStore, namespace: str) -> bool:
         for o in store.list(f"{namespace}/{kind}")
         if o.key.endswith(".parquet")
     ]
-    _put_load_rejects(store, namespace, build_load_rejects(files))
-    n = _put_part(store, namespace, build_part(files))
+    scheme = id_scheme_of(store, namespace)
+    _put_load_rejects(store, namespace, build_load_rejects(files, scheme))
+    n = _put_part(store, namespace, build_part(files, scheme))
     log.warning("catalog: backfilled %s with %d prompt ids (the part was missing)", part_key(namespace), n)
     return True
 

@@ -36,6 +36,10 @@ class DatasetSizes(BaseModel):
     # Every-turn runs (docs/conversations.md): one row per user turn, one conversations/ line per conversation.
     num_conversations: int = Field(0, ge=0, description="Every turn: conversations published.")
     num_turns: int = Field(0, ge=0, description="Every turn: user turns published (one training row each).")
+    # Identical rows (issue 47): conversations that open the same way make byte-identical rows for their shared
+    # turns under deterministic decoding. Kept (each is its conversation's turn) and counted here.
+    num_duplicate_rows: int = Field(0, ge=0, description="Rows identical (input_ids and loss_mask) to an earlier row.")
+    num_duplicate_groups: int = Field(0, ge=0, description="Distinct rows that have such copies.")
 
 
 class Lineage(BaseModel):
@@ -162,6 +166,8 @@ tokenized for training a speculative-decoding drafter on the target model's own 
 {layout}
 - rows: {sizes.num_examples}, files: {sizes.num_files}, bytes: {sizes.num_bytes}
 - input tokens: {sizes.num_input_tokens}, loss tokens: {sizes.num_loss_tokens}, rejects: {sizes.num_rejects}
+- identical rows: {sizes.num_duplicate_rows} rows repeat an earlier row ({sizes.num_duplicate_groups} distinct rows
+  with copies; kept: conversations that open the same way share their first turns)
 - skipped as published by earlier namespaces: {lineage.skipped_published} prompts and {lineage.old_rejects_skipped}
   rows rejected before (their rejects are in the namespace that first read them)
 - model fingerprint `{lineage.model_fingerprint}`, chat template `{lineage.template_hash}`,

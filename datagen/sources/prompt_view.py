@@ -56,6 +56,7 @@ class PromptView:
     ids: list[int]
     messages: list[Message]
     normalized: str | None
+    text: str = ""  # the template's rendering the ids encode (they decode back to it)
 
 
 def normalization_form(chat: ChatTokenizer) -> NormalForm | None:
@@ -208,4 +209,4 @@ def model_view(
             f"the prompt's token ids do not decode back to it (after {form or 'no'} normalization): first "
             f"difference at character {i}: {decoded[i : i + 20]!r} vs {text[i : i + 20]!r}",
         )
-    return PromptView(ids, sent, form if changed else None)
+    return PromptView(ids, sent, form if changed else None, text)

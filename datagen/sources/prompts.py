@@ -27,7 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from datagen.identity import PromptIdentity, prompt_id_from_messages
+from datagen.identity import (
+    LOAD_REJECT_KEY_PREFIX,
+    PromptIdentity,
+    legacy_load_reject_key,
+    load_reject_key,
+    prompt_id_from_messages,
+)
 from datagen.records import Message, Prompt, Reject, Role
 from datagen.runspec import PromptSource
 from datagen.sources.preparation import Unsendable
@@ -40,11 +46,18 @@ from datagen.sources.tool_turns import (
     turn_message,
 )
 
-__all__ = ["LOAD_REJECT_KEY_PREFIX", "LOAD_REJECT_REASONS", "LOCAL_SUFFIXES", "PromptSourceError", "iter_prompts"]
+__all__ = [
+    "LOAD_REJECT_KEY_PREFIX",
+    "LOAD_REJECT_REASONS",
+    "LOCAL_SUFFIXES",
+    "LoadReject",
+    "PromptSourceError",
+    "iter_prompts",
+]
 
-# A load reject's `request_key`: "row:" + a hash of its source label, its row in that source and the row's
-# content, so a later expansion over the same (grown) source knows this row was rejected and published before.
-LOAD_REJECT_KEY_PREFIX = "row:"
+# A load reject's `request_key` (datagen.identity.load_reject_key): "row:" + a hash of its reason and the row's
+# content, so a later expansion over the same source (grown, renamed, split, reordered) knows this row was rejected
+# and published before.
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +122,31 @@ class _Unreadable:
 
     reason: str
     message: str
+    # The row's own text, for its reject key (where it sits is no part of it); None: the message stands for it.
+    content: str | None = None
+
+
+class LoadReject(Reject):
+    """A load `Reject` with what planning matches against the rows published before (held in memory only).
+
+    `legacy_content`: what the key the code before issue 47 gave the row hashed besides its label and index
+    (datagen.identity.legacy_load_reject_key, KnownRejects.holds); for a `duplicate_prompt`, `alias` and
+    `rendered`: the prompt's other id and its whole rendered ids (datagen.identity.KnownPrompts.holds), so a
+    duplicate of a published prompt is skipped as published.
+    """
+
+    __slots__ = ("alias", "legacy_content", "rendered")
+
+    def __init__(self, *args: Any, legacy_content: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.legacy_content = legacy_content
+        self.alias: str | None = None
+        self.rendered: array[int] | None = None
+
+    @property
+    def legacy_key(self) -> str:
+        """The key the code before issue 47 gave this row."""
+        return legacy_load_reject_key(self.source, self.row or 0, self.legacy_content)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +156,7 @@ class _LostRest:
     n_lost: int
     n_before: int
     message: str
+    digest: str = ""  # of the unreadable text (what its rows' reject keys hash, not where it starts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +204,11 @@ def _stream(
                         row = next_row.get(unit.label, 0)
                         next_row[unit.label] = row + 1
                         n_read += 1
-                        lost = _Unreadable("unreadable_rest", f"{raw.message}; lost row {k + 1} of {raw.n_lost}")
+                        lost = _Unreadable(
+                            "unreadable_rest",
+                            f"{raw.message}; lost row {k + 1} of {raw.n_lost}",
+                            f"{raw.digest}\0{k}",
+                        )
                         yield _to_prompt(source, unit.label, row, where, lost, seen, identity)
                     break
                 row = next_row.get(unit.label, 0)
@@ -185,49 +228,38 @@ def _to_prompt(
     seen: _Seen,
     identity: PromptIdentity | None,
 ) -> Prompt | Reject:
+    source_id = _source_id(raw)
+    alias: str | None = None
     try:
         if isinstance(raw, _Unreadable):
             raise _RowError(raw.reason, raw.message)
         if not isinstance(raw, dict):
             raise _RowError("not_an_object", f"row is a JSON {type(raw).__name__}, expected an object")
-        messages = _messages(raw, source.format)
+        messages = _messages(raw, source.format, identity is not None and identity.discards_recorded_replies)
         tools = row_tools(raw, source.tools)
         category = _category(raw, source.category_field)
         input_ids, normalized = None, None
         if identity is not None:
             # The messages as the model sees them (normalized like the tokenizer normalizes) are what ships.
-            prompt_id, view = identity.identify(label, messages, tools)
+            found = identity.identify(label, messages, tools)
+            prompt_id, alias, duplicate_key = found.prompt_id, found.alias, found.duplicate_key
+            view = found.view
             messages, normalized, input_ids = view.messages, view.normalized, array("i", view.ids)
         else:
             prompt_id = prompt_id_from_messages(label, messages, tools)
+            duplicate_key = prompt_id_from_messages("", messages, tools).encode("ascii")
     except Unsendable as err:  # _RowError included
-        return Reject(
-            stage="load",
-            reason=err.reason,
-            detail=f"{where}: {err.detail}",
-            source=label,
-            row=row,
-            location=where,
-            request_key=_row_key(label, row, raw),
-        )
-    first = seen.first(label, input_ids if input_ids is not None else prompt_id_from_messages("", messages, tools))
+        return _load_reject(label, row, where, raw, err.reason, err.detail, source_id)
+    first = seen.first(label, duplicate_key)
     if first is not None:
         same = (
             f"same prompt as an earlier row of source {label!r} (prompt id {prompt_id})"
             if first == label
-            else f"same prompt as a row of source {first!r}, planned once under that source (this row's prompt id "
-            f"{prompt_id})"
+            else f"same prompt as a row of source {first!r}, planned once under that source (prompt id {prompt_id})"
         )
-        return Reject(
-            stage="load",
-            reason="duplicate_prompt",
-            detail=f"{where}: {same}",
-            source=label,
-            row=row,
-            prompt_id=prompt_id,
-            location=where,
-            request_key=_row_key(label, row, raw),
-        )
+        duplicate = _load_reject(label, row, where, raw, "duplicate_prompt", same, source_id, prompt_id)
+        duplicate.alias, duplicate.rendered = alias, input_ids
+        return duplicate
     prompt = Prompt(
         prompt_id=prompt_id,
         source=label,
@@ -237,9 +269,54 @@ def _to_prompt(
         location=where,
         normalized=normalized,
         tools=tools,
+        source_id=source_id,
     )
     prompt.input_ids = input_ids  # the render its id came from: planning keeps it for generation
+    prompt.alias = alias
     return prompt
+
+
+def _load_reject(
+    label: str,
+    row: int,
+    where: str,
+    raw: Any,
+    reason: str,
+    detail: str,
+    source_id: str | None,
+    prompt_id: str | None = None,
+) -> LoadReject:
+    content = _row_content(raw)
+    legacy = f"{raw.reason}\0{raw.message}" if isinstance(raw, _Unreadable) else content
+    return LoadReject(
+        stage="load",
+        reason=reason,
+        detail=f"{where}: {detail}",
+        source=label,
+        row=row,
+        prompt_id=prompt_id,
+        location=where,
+        request_key=load_reject_key(reason, content),
+        source_id=source_id,
+        legacy_content=legacy,
+    )
+
+
+def _row_content(raw: Any) -> str:
+    """The row as its reject key hashes it: its JSON (keys sorted), or the text of a row that does not parse."""
+    if isinstance(raw, _Unreadable):
+        return f"{raw.reason}\0{raw.content if raw.content is not None else raw.message}"
+    return json.dumps(raw, sort_keys=True, ensure_ascii=False, default=str)
+
+
+def _source_id(raw: Any) -> str | None:
+    """The row's own `id` (a string or an integer, as text), to trace what is published back to it."""
+    if not isinstance(raw, dict):
+        return None
+    value = raw.get("id")
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        return None
+    return str(value)
 
 
 class _Seen:
@@ -250,10 +327,9 @@ class _Seen:
         self._label_no: dict[str, int] = {}
         self._first: dict[bytes, int] = {}  # content digest -> the first source's label number
 
-    def first(self, label: str, content: array[int] | str) -> str | None:
+    def first(self, label: str, content: bytes) -> str | None:
         """The label of the source that holds this prompt already (None: it is new, and now recorded as `label`'s)."""
-        data = content.tobytes() if isinstance(content, array) else content.encode("utf-8")
-        digest = hashlib.blake2b(data, digest_size=16).digest()
+        digest = hashlib.blake2b(content, digest_size=16).digest()
         if (no := self._first.get(digest)) is not None:
             return self._labels[no]
         if label not in self._label_no:
@@ -261,18 +337,6 @@ class _Seen:
             self._labels.append(label)
         self._first[digest] = self._label_no[label]
         return None
-
-
-def _row_key(label: str, row: int, raw: Any) -> str:
-    """The load reject key of one input row (LOAD_REJECT_KEY_PREFIX): same source, place and content, same key."""
-    # Rows are appended to growing sources, so (label, row) stays put; the content makes a rewritten row new.
-    content = (
-        f"{raw.reason}\0{raw.message}"
-        if isinstance(raw, _Unreadable)
-        else json.dumps(raw, sort_keys=True, ensure_ascii=False, default=str)
-    )
-    digest = hashlib.sha256(f"{label}\0{row}\0{content}".encode("utf-8", "surrogatepass")).hexdigest()
-    return f"{LOAD_REJECT_KEY_PREFIX}{digest[:32]}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -380,14 +444,16 @@ def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                yield where, _Unreadable("invalid_utf8", f"line is not UTF-8 ({exc.reason} at byte {exc.start})")
+                message = f"line is not UTF-8 ({exc.reason} at byte {exc.start})"
+                text = raw.rstrip(b"\r\n").decode("utf-8", "backslashreplace")
+                yield where, _Unreadable("invalid_utf8", message, text)
                 continue
             if lineno == 1:
                 text = text.removeprefix("\ufeff")
             try:
                 yield where, json.loads(text)
             except json.JSONDecodeError as exc:
-                yield where, _Unreadable("invalid_json", f"invalid JSON: {exc.msg} (column {exc.colno})")
+                yield where, _Unreadable("invalid_json", f"invalid JSON: {exc.msg} (column {exc.colno})", text.strip())
 
 
 def _read_json(path: Path) -> Iterator[tuple[str, Any]]:
@@ -452,12 +518,14 @@ class _JsonArrayReader:
                 except json.JSONDecodeError as exc:
                     line = self._line + self._buf.count("\n", self._pos, exc.pos)
                     message = f"invalid JSON at line {line}: {exc.msg}"
+                    begin = self._pos  # the row's start (a refill while decoding moved it to the buffer's start)
                     if not self._skip_broken(column if at_line_start else None):
                         self._pos, self._line = start, start_line
                         yield where, self._lost_rest(message)
                         return
                     self._n_rows += 1
-                    yield where, _Unreadable("invalid_json", f"{message}; row skipped up to line {self._line}")
+                    text = self._buf[begin : self._pos].strip().rstrip(",").strip()
+                    yield where, _Unreadable("invalid_json", f"{message}; row skipped up to line {self._line}", text)
                 else:
                     self._n_rows += 1
                     yield where, value
@@ -611,6 +679,7 @@ class _JsonArrayReader:
             n_lost,
             self._n_rows,
             f"{message}; the rest of the file ({lines} line(s) from line {self._line}) cannot be read",
+            hashlib.sha256(self._buf[self._pos :].encode("utf-8", "surrogatepass")).hexdigest(),
         )
 
     def _fill_all(self) -> bool:
@@ -687,7 +756,7 @@ def _read_dataset_rows(rows: Iterable[Any], where: str) -> Iterator[tuple[str, A
 # Row -> messages
 
 
-def _messages(row: dict[str, Any], fmt: str) -> list[Message]:
+def _messages(row: dict[str, Any], fmt: str, replies_discarded: bool = False) -> list[Message]:
     if fmt == "auto":
         fmt = _detect(row)
     if fmt == "sharegpt":
@@ -696,7 +765,7 @@ def _messages(row: dict[str, Any], fmt: str) -> list[Message]:
         turns = _turns(row, "messages", ("role", "content"), None)
     else:
         turns = _alpaca_turns(row)
-    return _conversation(turns)
+    return _conversation(turns, replies_discarded)
 
 
 def _detect(row: dict[str, Any]) -> str:
@@ -784,7 +853,9 @@ def _optional_str(row: dict[str, Any], field: str) -> str:
     return value
 
 
-def _conversation(turns: list[_Turn]) -> list[Message]:
+def _conversation(turns: list[_Turn], replies_discarded: bool = False) -> list[Message]:
+    """The row's turns as messages. `replies_discarded` (every turn: the recorded assistant replies never reach the
+    model): an empty or null reply is kept as an empty one instead of rejecting the conversation."""
     if not turns:
         raise _RowError("empty_conversation", "conversation has no turns")
     systems = [label for role, _, label, _ in turns if role == "system"]
@@ -800,8 +871,10 @@ def _conversation(turns: list[_Turn]) -> list[Message]:
             turns = turns[:-1]
     messages: list[Message] = []
     for role, content, label, raw in turns:
-        message = turn_message(role, content, label, raw, _speaker((role, content, label, raw)), _text)
-        if not message.text.strip() and role in ("user", "assistant") and not message.tool_calls:
+        text_of = _reply_text if replies_discarded and role == "assistant" else _text
+        message = turn_message(role, content, label, raw, _speaker((role, content, label, raw)), text_of)
+        empty = not message.text.strip() and not message.tool_calls
+        if empty and (role == "user" or (role == "assistant" and not replies_discarded)):
             # An empty system prompt is kept: the template renders its (empty) block, and the prompt must be
             # what apply_chat_template makes of the messages as given. So is an empty tool result.
             reason = "empty_user_content" if role == "user" else "empty_assistant_content"
@@ -824,6 +897,11 @@ def _speaker(turn: _Turn) -> str:
     key = label.rsplit(".", 1)[-1]
     speaker = raw.get("from" if key == "value" else "role")
     return speaker.strip().lower() if isinstance(speaker, str) else ""
+
+
+def _reply_text(content: Any, label: str) -> str:
+    """A recorded reply's text where the replies are discarded: a null one is empty (its calls still count)."""
+    return "" if content is None else _text(content, label)
 
 
 def _text(content: Any, label: str) -> str:

@@ -67,7 +67,8 @@ def test_record_has_specforge_keys_and_arrow_safe_fields() -> None:
         "role": "assistant",
         "content": "\n\nok ",
         "reasoning_content": "r",
-        "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}],
+        # Issue 47.10: each generated call has an OpenAI id (`call_<step>_<i>`), which results would answer.
+        "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}, "id": "call_0_0"}],
     }
     assert list(conversation_record(_completion("a</think>b"), True)) == ["id", "conversations"]
 

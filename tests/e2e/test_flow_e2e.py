@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -463,6 +464,137 @@ def test_every_turn_run_publishes_rows_equal_to_the_template_of_its_conversation
     assert f"rows ({len(rejects)} rejects) from 26 of 26 conversations ({len(steps)} steps)" in summary_text(summary)
 
 
+def _read_back(store: ObjectStore, namespace: str, local: Path) -> tuple[list[Any], list[Any], list[Any]]:
+    """What a reader of the namespace finds: its token rows, reject rows and conversation lines."""
+    local = _published(store, namespace, local)
+    rows = [r for f in sorted((local / "data").glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
+    rejects = [r for f in sorted((local / "rejects").glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
+    lines = [
+        json.loads(line)
+        for f in sorted((local / "conversations").glob("conversations-*.jsonl"))
+        for line in f.read_text(encoding="utf-8").splitlines()
+    ]
+    return rows, rejects, lines
+
+
+def _copies(rows: list[dict[str, Any]]) -> int:
+    """Rows identical (ids and mask) to an earlier row."""
+    seen: Counter[tuple[tuple[int, ...], tuple[int, ...]]] = Counter(
+        (tuple(r["input_ids"]), tuple(r["loss_mask"])) for r in rows
+    )
+    return sum(n - 1 for n in seen.values())
+
+
+def test_every_count_equals_a_read_back_of_s3(published_tools: Published) -> None:
+    """Issue 47.6/7: the manifest said 0 rows, and the lineage, report and inspect counted generation's outcomes
+    where validation had cut conversations. Both modes: every count is what a reader of S3 finds."""
+    from datagen.operations.inspection import inspect_namespace
+
+    spec, store, work, summary = (
+        published_tools.spec,
+        published_tools.store,
+        published_tools.work,
+        published_tools.report,
+    )
+    ns = spec.namespace
+    rows, rejects, lines = _read_back(store, ns, work / "dl-counts")
+    manifest = json.loads(store.get_bytes(f"{ns}/manifest.json"))
+    assert manifest["total_rows"] == {"data": len(rows), "rejects": len(rejects), "conversations": len(lines)}
+    for entry in manifest["objects"]:
+        key = entry["key"]
+        if key.endswith(".parquet"):
+            assert entry["rows"] == pq.read_metadata(work / "dl-counts" / key).num_rows, key
+        elif key.endswith(".jsonl"):
+            assert entry["rows"] == len((work / "dl-counts" / key).read_text().splitlines()), key
+    lineage = manifest["lineage"]
+    assert lineage["rows"] == summary["rows"] == len(rows) and lineage["rejects"] == summary["rejects"] == len(rejects)
+    assert lineage["duplicate_rows"] == summary["duplicate_rows"] == _copies(rows)
+    card = yaml.safe_load((work / "dl-counts" / "README.md").read_text().split("---\n")[1])["datagen"]["sizes"]
+    assert card["num_examples"] == len(rows) and card["num_rejects"] == len(rejects)
+    assert card["num_duplicate_rows"] == _copies(rows)
+    text, published = inspect_namespace(store, ns)
+    assert published and f"{len(rows):,} rows, {len(rejects):,} rejects" in text, text
+    if spec.turns == "every":
+        assert card["num_conversations"] == len(lines) and card["num_turns"] == len(rows)
+        counts = lineage["conversations"]
+        by_outcome = counts["conversations_by_outcome"]
+        assert summary["conversations"]["conversations_by_outcome"] == by_outcome
+        # Each published line's outcome is counted under it (complete: every user turn is a row).
+        published_outcomes = Counter(line["outcome"] for line in lines if "outcome" in line)
+        for outcome, n in published_outcomes.items():
+            assert by_outcome.get(outcome, 0) >= n, (outcome, by_outcome, published_outcomes)
+        assert by_outcome.get("complete", 0) == published_outcomes["complete"]
+        assert sum(by_outcome.values()) == counts["conversations_finished"] == 26
+        assert f"complete {by_outcome['complete']:,}" in text and f"published: {len(lines):,} conversations" in text
+
+
+def test_every_user_turn_of_the_source_is_in_a_row_or_a_reject(published_every: Published) -> None:
+    """Issue 47.7: the user turns after a conversation ended early (a diverging call, a cut) were in no row and no
+    reject. Every user turn of every conversation of the sources is now a row or names itself in a reject."""
+    from datagen.conversation.regeneration import Script
+
+    spec, store, work = published_every.spec, published_every.store, published_every.work
+    rows, rejects, _ = _read_back(store, spec.namespace, work / "dl-turns")
+    identity = PromptIdentity.for_spec(spec)
+    turns = {
+        p.prompt_id: len(Script.of(p).turns)
+        for p in iter_prompts(spec.sources, identity=identity)
+        if isinstance(p, Prompt)
+    }
+    assert len(turns) == 26 and sum(turns.values()) > 26
+    covered: dict[str, list[int]] = {pid: [] for pid in turns}
+    refused: Counter[str] = Counter()
+    for r in rows:
+        covered[r["conversation_id"]].append(r["turn_index"])
+    for r in rejects:
+        found = re.search(r", turn (\d+)", r["detail"])
+        if found:
+            covered[r["prompt_id"]].append(int(found.group(1)))
+        elif r["stage"] == "generate":
+            refused[r["prompt_id"]] += 1  # names its step: it stands for the turn that step was for
+    for pid, n in turns.items():
+        missing = set(range(n)) - set(covered[pid])
+        assert len(missing) <= refused[pid], (pid, n, covered[pid], refused[pid])
+    unreached = [r for r in rejects if "not generated: the conversation ended at turn" in r["detail"]]
+    assert unreached, "the stand-in's calls diverge half the time: some conversations end before their last turn"
+
+
+def test_published_rows_and_conversations_trace_back_to_their_source_row(published_tools: Published) -> None:
+    """Issue 47.9: the source row's own id was dropped, and rows and conversations carried no file and line."""
+    spec, store, work = published_tools.spec, published_tools.store, published_tools.work
+    rows, rejects, lines = _read_back(store, spec.namespace, work / "dl-trace")
+
+    def source_row(location: str) -> dict[str, Any]:
+        path, line = location.rsplit(":", 1)
+        return json.loads(Path(path).read_text(encoding="utf-8").splitlines()[int(line) - 1])
+
+    assert rows and lines
+    for item in [*rows, *lines, *(r for r in rejects if r["stage"] != "load")]:
+        assert item["location"] is not None and item["source_id"] == source_row(item["location"])["id"], item[
+            "location"
+        ]
+    ids = {line["id"]: line["source_id"] for line in lines}
+    assert all(ids[r["conversation_id"]] == r["source_id"] for r in rows)
+
+
+def test_regenerated_tool_calls_carry_ids_their_results_answer(published_every: Published) -> None:
+    """Issue 47.10: published tool results kept the recorded tool_call_id, the regenerated calls had no id."""
+    _, _, lines = _read_back(published_every.store, published_every.spec.namespace, published_every.work / "dl-ids")
+    results = 0
+    for line in lines:
+        calls: list[str] = []
+        for m in line["conversations"]:
+            if m["role"] == "assistant":
+                calls = [c["id"] for c in m.get("tool_calls") or []]
+                assert all(calls) and len(set(calls)) == len(calls), m
+            elif m["role"] == "tool":
+                results += 1
+                assert m.get("tool_call_id") in calls, (line["id"], m, calls)
+        every = [c["id"] for m in line["conversations"] if m["role"] == "assistant" for c in m.get("tool_calls") or []]
+        assert len(set(every)) == len(every), line["id"]  # unique in their conversation
+    assert results > 0
+
+
 def test_a_published_run_run_again_is_done_and_another_run_is_refused(
     published: Published, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -580,6 +712,15 @@ def test_every_turn_at_temperature_0_keeps_conversations_that_open_the_same_way(
     assert counts["published"] == len(lines) and counts["published_user_turns"] == len(rows) == 15
     assert counts["conversations_by_outcome"] == {"complete": len(conversations)}
     assert summary["rows"] == 15
+    # Issue 47.5: the shared turns' rows are byte-identical copies, kept in each conversation and counted everywhere:
+    # turn 0 of 4 conversations, turn 1 of 3, turn 2 of 2.
+    assert _copies(rows) == 3 + 2 + 1 == manifest["lineage"]["duplicate_rows"] == summary["duplicate_rows"]
+    assert manifest["lineage"]["duplicate_row_groups"] == 3
+    card = yaml.safe_load((local / "README.md").read_text().split("---\n")[1])["datagen"]["sizes"]
+    assert (
+        card["num_duplicate_rows"] == 6
+        and "identical rows: 6 rows repeat an earlier row" in (local / "README.md").read_text()
+    )
 
 
 def test_publish_task_reports_wrong_secret_and_unreachable_endpoint(

@@ -71,7 +71,7 @@ def test_publish_layout_and_manifest(s3_store: ObjectStore, tmp_path: Path) -> N
         assert entry["size"] == len(body) and entry["sha256"] == hashlib.sha256(body).hexdigest()
     rows = {o["key"]: o.get("rows") for o in manifest["objects"]}
     assert rows["data/part-00000.parquet"] == 10 and rows["data/part-00001.parquet"] is None
-    assert manifest["total_rows"] == {"data": 10, "rejects": 2}
+    assert manifest["total_rows"] == {"data": 10, "rejects": 2, "conversations": 0}
     assert manifest["lineage"]["sglang_version"] == "0.5.10"
     head = s3_store.head("ds1/data/part-00000.parquet")
     assert head is not None

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from datagen.chat import ChatTokenizer
-from datagen.identity import PromptIdentity, prompt_id_from_ids, prompt_id_from_messages
+from datagen.identity import PromptIdentity, content_prompt_id, prompt_id_from_ids, prompt_id_from_messages
 from datagen.local.model_fixture import ensure_model_dir
 from datagen.records import Message, Prompt, Reject, ToolCall
 from datagen.runspec import PromptSource
@@ -110,7 +110,8 @@ def test_loaded_tool_rows_render_as_the_real_template_renders_the_rows(tmp_path:
     for p in prompts:
         assert p.input_ids is not None
         assert chat.decode(list(p.input_ids)) == expected
-        assert p.prompt_id == prompt_id_from_ids(p.source, chat.encode(expected))
+        assert p.prompt_id == content_prompt_id(expected)
+        assert p.alias == prompt_id_from_ids(p.source, chat.encode(expected))
 
 
 def test_tools_without_tool_turns_render_with_their_definitions(tmp_path: Path, chat: ChatTokenizer) -> None:
@@ -375,4 +376,5 @@ def test_the_same_prompt_in_two_sources_is_planned_once_under_the_first(tmp_path
         assert [(p.source, p.row) for p in prompts] == [("a", 0), ("b", 1)]
         assert dup.reason == "duplicate_prompt" and dup.source == "b" and dup.location == f"{sharegpt}:1"
         assert "same prompt as a row of source 'a', planned once under that source" in dup.detail, dup.detail
-        assert dup.prompt_id is not None and dup.prompt_id != prompts[0].prompt_id
+        # With a model the id is the content's (the same prompt, the same id); without, the label's.
+        assert dup.prompt_id is not None and (dup.prompt_id == prompts[0].prompt_id) == (ident is not None)

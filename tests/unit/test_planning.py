@@ -93,6 +93,8 @@ def test_plan_is_deterministic(tmp_path: Path) -> None:
         "shards/shard-00000.input-ids.arrow",
         "shards/shard-00001.input-ids.arrow",
         "shards/shard-00002.input-ids.arrow",
+        # the work dir's prompt id scheme, fixed by its first plan (tasks.planning.id_scheme)
+        "prompt-id-scheme",
     }
 
 
@@ -224,7 +226,7 @@ def _prompts(layout: RunLayout, plan: ShardPlan) -> list[Prompt]:
 def test_prompts_differing_only_in_whitespace_are_one_prompt_the_first_kept(tmp_path: Path) -> None:
     # Issue 13.5: whitespace variants got different ids though the template renders them to the same tokens.
     from datagen.chat import ChatTokenizer
-    from datagen.identity import prompt_id_from_ids
+    from datagen.identity import content_prompt_id
 
     f = tmp_path / "ws.jsonl"
     rows = [
@@ -246,8 +248,8 @@ def test_prompts_differing_only_in_whitespace_are_one_prompt_the_first_kept(tmp_
         ("duplicate_prompt", 3, prompts[1].prompt_id),
     ]
     chat = ChatTokenizer.from_model_dir(spec.model_path)
-    for p in prompts:  # the id is what the model sees: the token ids apply_chat_template gives
-        assert p.prompt_id == prompt_id_from_ids("ws", chat.prompt_ids(p.messages))
+    for p in prompts:  # the id is what the model sees: the token ids apply_chat_template gives, and nothing else
+        assert p.prompt_id == content_prompt_id(chat.render(p.messages))
 
 
 def test_huge_row_is_rejected_as_too_long_without_being_tokenized(
@@ -355,9 +357,19 @@ def test_every_turn_checks_the_first_request_against_the_budget_not_the_recorded
     assert every.n_prompts == 1 and every.load_rejects_by_reason == {"prompt_too_long": 2}
     [prompt] = _prompts(layout, every)
     assert prompt.row == 0 and len(prompt.messages) == 5
-    # Its id is the hash of the whole recorded prompt, as in `last` mode (where a bigger budget lets it through).
+    # Its id hashes what every turn sends the model (the user turns, not the recorded reply), so it is not the `last`
+    # mode's id (the whole recorded prompt, where a bigger budget lets it through)...
     roomy = PromptIdentity.for_spec(_model_spec(f, turns="last", context_length=8192, sampling=budget["sampling"]))
-    assert prompt.prompt_id == roomy.prompt_id(prompt.source, [Message(**m) for m in long_chat])
+    assert prompt.prompt_id != roomy.prompt_id(prompt.source, [Message(**m) for m in long_chat])
+    every_roomy = PromptIdentity.for_spec(
+        _model_spec(f, turns="every", context_length=8192, sampling=budget["sampling"])
+    )
+    assert prompt.prompt_id == every_roomy.prompt_id("another label", [Message(**m) for m in long_chat])
+    # ... and the legacy id it is matched by in catalogs written before issue 47 is the whole recorded prompt's.
+    assert (
+        roomy.identify(prompt.source, [Message(**m) for m in long_chat]).alias
+        == every_roomy.identify(prompt.source, [Message(**m) for m in long_chat]).alias
+    )
     first, whole = (Reject.from_json(line) for line in layout.load_rejects.read_text().splitlines())
     assert first.row == 1 and first.detail.startswith(f"{f}:2: first request (messages through the first user turn)")
     assert "limit is 1024" in first.detail

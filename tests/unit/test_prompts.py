@@ -417,7 +417,7 @@ def test_max_rows_counts_rejected_rows_and_spans_files(tmp_path: Path) -> None:
     write_jsonl(d / "a.jsonl", [{"instruction": "a0"}, "{bad"])
     write_jsonl(d / "b.jsonl", [{"instruction": "b0"}, {"instruction": "b1"}])
     items = list(iter_prompts([PromptSource(path=str(d), max_rows=3)]))
-    assert [(type(i).__name__, i.source, i.row) for i in items] == [
+    assert [("Reject" if isinstance(i, Reject) else "Prompt", i.source, i.row) for i in items] == [
         ("Prompt", "a", 0),
         ("Reject", "a", 1),
         ("Prompt", "b", 0),
@@ -515,7 +515,7 @@ def test_duplicates_within_and_across_sources_are_rejected(tmp_path: Path) -> No
     a = write_jsonl(tmp_path / "a.jsonl", [sg(("human", "same")), sg(("human", "other")), oa(("user", "same"))])
     b = write_jsonl(tmp_path / "b.jsonl", [{"instruction": "same"}])
     items = list(iter_prompts([PromptSource(path=str(a)), PromptSource(path=str(b))]))
-    assert [(type(i).__name__, i.source, i.row) for i in items] == [
+    assert [("Reject" if isinstance(i, Reject) else "Prompt", i.source, i.row) for i in items] == [
         ("Prompt", "a", 0),
         ("Prompt", "a", 1),
         ("Reject", "a", 2),
@@ -580,3 +580,49 @@ def test_bundled_parquet_matches_its_generator_script() -> None:
     spec.loader.exec_module(module)
     table = pq.read_table(REPO / "data/prompts/mixed_topics.parquet")
     assert table.to_pylist() == module.ROWS
+
+
+def test_every_turn_keeps_conversations_whose_recorded_replies_are_empty_or_null(tmp_path: Path) -> None:
+    # Issue 47.11: every-turn mode discards the recorded replies, yet an empty or null one rejected the whole
+    # conversation (`empty_assistant_content`, `wrong_type ... is null`) and its good user turns were lost.
+    from datagen.identity import PromptIdentity
+    from datagen.local.model_fixture import ensure_model_dir
+    from datagen.runspec import RunSpec
+
+    def conv(reply: object, i: int) -> dict[str, Any]:
+        users = [{"role": "user", "content": f"Question {i}.{t}: why?"} for t in range(2)]
+        return {"messages": [users[0], {"role": "assistant", "content": reply}, users[1]]}
+
+    sharegpt = {
+        "conversations": [
+            {"from": "human", "value": "Hi?"},
+            {"from": "gpt", "value": ""},
+            {"from": "human", "value": "Again?"},
+        ]
+    }
+    f = write_jsonl(tmp_path / "replies.jsonl", [conv("", 0), conv(None, 1), conv("  ", 2), sharegpt])
+    every = PromptIdentity.for_spec(RunSpec(model_path=str(ensure_model_dir()), turns="every"))
+    last = PromptIdentity.for_spec(RunSpec(model_path=str(ensure_model_dir()), turns="last"))
+
+    def load_as(path: Path, identity: PromptIdentity) -> tuple[list[Prompt], list[Reject]]:
+        items = list(iter_prompts([PromptSource(path=str(path))], identity=identity))
+        return [i for i in items if isinstance(i, Prompt)], [i for i in items if isinstance(i, Reject)]
+
+    prompts, rejects = load_as(f, every)
+    assert rejects == [] and len(prompts) == 4
+    assert all([m.role for m in p.messages] == ["user", "assistant", "user"] for p in prompts)
+    assert prompts[1].messages[1].content == ""  # the null reply, kept as an empty one (it is never sent)
+    # `last` sends the recorded history as it is: an empty reply there is still refused.
+    prompts, rejects = load_as(f, last)
+    assert prompts == [] and [r.reason for r in rejects] == [
+        "empty_assistant_content",
+        "wrong_type",
+        "empty_assistant_content",
+        "empty_assistant_content",
+    ]
+    # Content that is not text at all is still bad input in both modes, named with its place.
+    bad = write_jsonl(tmp_path / "bad.jsonl", [conv(5, 3)])
+    _, rejects = load_as(bad, every)
+    assert [(r.reason, r.detail) for r in rejects] == [
+        ("wrong_type", f"{bad}:1: messages[1].content must be a string or a list of text parts, got int")
+    ]
