@@ -18,7 +18,17 @@ from typing import Any
 
 import pytest
 
-from datagen.engine.memory_plan import EngineFlags, GpuMemory, MemoryPlan, ModelShape, PrefixReuse, plan_memory
+from datagen.engine.headroom import HEADROOM
+from datagen.engine.memory_plan import (
+    EngineFlags,
+    GpuMemory,
+    MemoryPlan,
+    ModelShape,
+    PrefixReuse,
+    UnstartableError,
+    plan_memory,
+    sglang_sizing,
+)
 from datagen.local.model_fixture import ensure_model_dir
 from tests.conformance.conftest import REPO_ROOT, RealSglang
 
@@ -80,7 +90,11 @@ for case in CASES:
         setattr(kvc, name, types.MethodType(getattr(KVCacheConfigurator, name), kvc))
     after_weights_gib = (case["pre_load"] - case["weights"]) / (1 << 30)
     kcfg.get_available_gpu_memory = lambda *a, **k: after_weights_gib  # what torch measures after loading
-    config = KVCacheConfigurator._resolve_memory_pool_config(kvc, case["pre_load"] / (1 << 30))
+    try:
+        config = KVCacheConfigurator._resolve_memory_pool_config(kvc, case["pre_load"] / (1 << 30))
+    except (ValueError, RuntimeError) as exc:  # flags this card cannot start: SGLang's own refusal
+        out.append({"error": f"{type(exc).__name__}: {exc}"})
+        continue
     out.append({
         "mem_fraction_static": get_schedule().mem_fraction_static,
         "max_mamba_cache_size": get_schedule().max_mamba_cache_size,
@@ -147,6 +161,10 @@ def _plans(model_dir: Path) -> list[tuple[str, MemoryPlan]]:
             output_tokens=output,
         )
         plans.append((f"{context} every x{turns}", plan))
+    # The fraction from a measured headroom (issue 45): higher fractions, each candidate's own, judged the same way.
+    for context in CONTEXTS:
+        plan = plan_memory(model, _gpu(), context, context_source="test", headroom=HEADROOM["0.5.17"])
+        plans.append((f"{context} measured headroom", plan))
     return plans
 
 
@@ -205,7 +223,7 @@ def test_docs_caps_table_is_what_sglang_s_code_gives(judged: dict[str, Any]) -> 
     table = _doc_table()
     assert sorted(table) == list(CONTEXTS), f"{DOC} lost its caps table rows: {table}"
     for label, plan in plans:
-        if "multi-turn" in label or " every x" in label:
+        if "multi-turn" in label or " every x" in label or "measured headroom" in label:
             continue
         assert table[plan.context_tokens] == (
             plan.default.concurrency,
@@ -258,3 +276,24 @@ def test_multi_turn_choice_weighs_the_real_state_slots_per_request(judged: dict[
         "16384 every x8": "radix-balanced",
         "32768 every x8": "radix-balanced",
     }
+
+
+def test_flags_the_card_cannot_start_are_refused_as_sglang_refuses_them(
+    real_sglang: RealSglang, tmp_path: Path
+) -> None:
+    """An expert's first try (issue 45): the state pool of 256 slots leaves no KV cache at 0.88. SGLang's own code
+    refuses it; the plan refuses it before launch, names the state pool, and quotes SGLang's suggestion exactly."""
+    model_dir = _model_dirs(tmp_path)["qwen3.6-27b"]
+    model = ModelShape.from_model_dir(model_dir)
+    args = ["--disable-radix-cache", "--max-running-requests", "256", "--mem-fraction-static", "0.88"]
+    with pytest.raises(UnstartableError) as refused:
+        sglang_sizing(model, _gpu(), EngineFlags.from_args(args))
+    fits = int(str(refused.value).split("to at most ")[1].split(";")[0].split(" ")[0])
+    under = [*args[:2], str(fits), *args[3:]]
+    over = [*args[:2], str(fits + 2), *args[3:]]
+    real = _real_sizing(real_sglang, [[*_argv(model_dir, EngineFlags()), *a] for a in (args, under, over)])
+    assert "error" in real[0] and "Loaded weights leave no GPU memory for the KV cache" in real[0]["error"], real[0]
+    quoted = str(refused.value).split("'")[1]  # what the refusal says SGLang would say
+    assert quoted in real[0]["error"], (quoted, real[0]["error"])
+    assert "error" not in real[1] and real[1]["max_running_requests"] == fits  # the advice starts
+    assert "error" in real[2]
