@@ -11,7 +11,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import yaml
 from pydantic import ValidationError
@@ -404,22 +404,33 @@ def _cmd_fixture(args: argparse.Namespace) -> int:
     return 0
 
 
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for `datagen`."""
     parser = argparse.ArgumentParser(prog="datagen", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    _run_commands(sub)
+    _look_commands(sub)
+    _local_commands(sub)
+    return parser
 
-    def spec_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--config", type=Path, help="YAML or JSON file with run-spec fields")
-        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. shard_size=500")
-        p.add_argument(
-            "--env-file",
-            type=Path,
-            help="DATAGEN_* settings to use where the environment sets none (default: worker.env beside --config)",
-        )
 
+def _spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, help="YAML or JSON file with run-spec fields")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. shard_size=500")
+    p.add_argument(
+        "--env-file",
+        type=Path,
+        help="DATAGEN_* settings to use where the environment sets none (default: worker.env beside --config)",
+    )
+
+
+def _run_commands(sub: Subparsers) -> None:
+    """Run, check, abandon and pin: the commands that act on a run or a box."""
     run = sub.add_parser("run", help="run the expand-dataset flow")
-    spec_args(run)
+    _spec_args(run)
     run.add_argument("--dry-run", action="store_true", help="do everything but write to S3; list what would be written")
     run.add_argument("--verbose", action="store_true", help="on failure, raise the full traceback (default: one line)")
     run.set_defaults(func=_cmd_run)
@@ -434,16 +445,23 @@ def build_parser() -> argparse.ArgumentParser:
     abandon.set_defaults(func=_cmd_abandon)
 
     check = sub.add_parser("check", help="run only the environment checks; exit 1 if one fails")
-    spec_args(check)
+    _spec_args(check)
     check.add_argument("--resume", action="store_true", help="allow a namespace that already holds this run's data")
     check.set_defaults(func=_cmd_check)
 
-    demo = sub.add_parser("demo", help="end-to-end demo on the bundled prompts (local S3 + stand-in servers)")
-    demo.add_argument("--namespace", help="output namespace (default demo-<timestamp>)")
-    demo.add_argument("--servers", type=int, default=2, help="stand-in servers to start")
-    demo.add_argument("--state-dir", type=Path, default=DEFAULT_STACK_DIR, help="local stack state directory")
-    demo.add_argument("--keep-stack", action="store_true", help="leave the local S3 server running afterwards")
-    demo.set_defaults(func=_cmd_demo)
+    pin = sub.add_parser(
+        "pin",
+        help="operator, on the box: record what this box's worker may run (each deployment's entrypoint, pull "
+        "steps and parameter schema, the pool's job template); runs that differ later fail (docs/security.md)",
+    )
+    pin.add_argument("--check", action="store_true", help="only compare the API with the pin; exit 1 on a change")
+    pin.add_argument("--pool", default=os.environ.get("DATAGEN_WORK_POOL", "gpu-box-1"), help="the work pool")
+    pin.add_argument("--file", type=Path, help="the pin file (default DATAGEN_PIN_FILE, else .datagen/pin/pin.json)")
+    pin.set_defaults(func=_cmd_pin)
+
+
+def _look_commands(sub: Subparsers) -> None:
+    """Inspect: what the datasets hold."""
 
     inspect = sub.add_parser(
         "inspect",
@@ -467,6 +485,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.set_defaults(func=_cmd_inspect)
 
+
+def _local_commands(sub: Subparsers) -> None:
+    """Demo, laptop, stack and fixture: the local stack of a developer's machine."""
+    demo = sub.add_parser("demo", help="end-to-end demo on the bundled prompts (local S3 + stand-in servers)")
+    demo.add_argument("--namespace", help="output namespace (default demo-<timestamp>)")
+    demo.add_argument("--servers", type=int, default=2, help="stand-in servers to start")
+    demo.add_argument("--state-dir", type=Path, default=DEFAULT_STACK_DIR, help="local stack state directory")
+    demo.add_argument("--keep-stack", action="store_true", help="leave the local S3 server running afterwards")
+    demo.set_defaults(func=_cmd_demo)
+
     laptop = sub.add_parser(
         "laptop", help="set up a Prefect worker environment on a laptop: local S3, stand-ins, fixture model"
     )
@@ -474,16 +502,6 @@ def build_parser() -> argparse.ArgumentParser:
     laptop.add_argument("--servers", type=int, default=2, help="stand-in servers per run")
     laptop.add_argument("--state-dir", type=Path, default=DEFAULT_STACK_DIR, help="local stack state directory")
     laptop.set_defaults(func=_cmd_laptop)
-
-    pin = sub.add_parser(
-        "pin",
-        help="operator, on the box: record what this box's worker may run (each deployment's entrypoint, pull "
-        "steps and parameter schema, the pool's job template); runs that differ later fail (docs/security.md)",
-    )
-    pin.add_argument("--check", action="store_true", help="only compare the API with the pin; exit 1 on a change")
-    pin.add_argument("--pool", default=os.environ.get("DATAGEN_WORK_POOL", "gpu-box-1"), help="the work pool")
-    pin.add_argument("--file", type=Path, help="the pin file (default DATAGEN_PIN_FILE, else .datagen/pin/pin.json)")
-    pin.set_defaults(func=_cmd_pin)
 
     stack = sub.add_parser("stack", help="start, stop or query the local S3 server")
     stack.add_argument("action", choices=["up", "down", "status"])
@@ -493,7 +511,6 @@ def build_parser() -> argparse.ArgumentParser:
     fixture = sub.add_parser("fixture", help="build the local Qwen3.6-style model directory (no weights)")
     fixture.add_argument("--out", type=Path, default=None)
     fixture.set_defaults(func=_cmd_fixture)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,7 @@ os.environ.setdefault(
 # process runs a long file alone while the others are idle. A file not named here keeps its place after them.
 # Serial runs are unaffected in what they test; only the order changes.
 LONG_FILES_FIRST = (
+    "tests/e2e/test_runs_on_boxes.py",  # one box and two boxes: expansions, same rows, runs started together
     "tests/e2e/test_multi_box.py",  # both turn modes' multi-box runs, one after the other
     "tests/e2e/test_prefect_deploy.py",
     "tests/e2e/test_publish_resume.py",
