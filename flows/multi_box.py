@@ -409,5 +409,18 @@ def expand_dataset_multibox(
     boxes: MultiBoxSpec = MultiBoxSpec(),  # noqa: B008
     dry_run: bool = False,
 ) -> dict[str, Any]:
-    """Spread a run's shards over several GPU boxes, then validate, tokenize and publish (never overwriting)."""
+    """Spread a run's shards over several GPU boxes, then validate, tokenize and publish (never overwriting).
+
+    The same run as `expand-dataset` on more GPUs: every run-spec field means what it means there (namespace
+    `auto`, skip of published prompts and old rejects, targets, order, both turn modes, gates) and a spec publishes
+    the same rows; each box plans its own servers from its own GPUs and settings. A `pilot` is read where it ran:
+    its plan and projection on this (the parent's) host, its completions on the box that holds them
+    (docs/multi-box.md, "What a multi-box run honours").
+
+    Args:
+        spec: What this run does: prompt sources, model, sampling, sharding and the output namespace.
+        boxes: The boxes' work queues (one `generate-on-box` run each) and how shards are exchanged through S3.
+        dry_run: Generate on the boxes, validate and tokenize, publish nothing into the namespace (the boxes still
+            exchange shards under `_runs/<namespace>/`, their only channel).
+    """
     return failure.reported(skeleton.run_dataset, spec, dry_run, Boxes(boxes))
