@@ -92,7 +92,7 @@ def assistant_turn(c: Completion, enable_thinking: bool, step: int | None = None
     (datagen.conversation.regeneration.paired_calls).
     """
     reasoning, answer = split_reasoning(c.text, enable_thinking)
-    step = step if step is not None else c.step or 0
+    step = step if step is not None else c.step
     calls = (
         tuple(
             call if call.id is not None else replace(call, id=f"call_{step}_{i}") for i, call in enumerate(c.tool_calls)
