@@ -17,6 +17,7 @@ import pyarrow as pa
 __all__ = [
     "COMPLETION_SCHEMA",
     "REJECT_SCHEMA",
+    "STEP_KEY_SEPARATOR",
     "TOKEN_ROW_SCHEMA",
     "Completion",
     "ContentPart",
@@ -27,6 +28,7 @@ __all__ = [
     "Role",
     "TokenRow",
     "ToolCall",
+    "split_step_key",
 ]
 
 RejectStage = Literal["load", "generate", "validate", "tokenize"]
@@ -124,15 +126,28 @@ def _messages_in(items: list[Any]) -> list[Message]:
     return [m if isinstance(m, Message) else Message.from_dict(m) for m in items]
 
 
+STEP_KEY_SEPARATOR = ":step-"  # a step's request key: the conversation's request key + ":step-N"
+
+
+def split_step_key(key: str) -> tuple[str, int] | None:
+    """(conversation key, step) of a step's request key; None for a key that names no step (the conversation's own:
+    its one step is the recorded conversation's last reply, `turns: last`)."""
+    base, sep, n = key.rpartition(STEP_KEY_SEPARATOR)
+    return (base, int(n)) if sep and n.isdigit() else None
+
+
+# A line whose request key names no step is its conversation's one step: its step and user turn are implied (0 and
+# 0: the recorded history is its prompt) and never written, so such lines read and write byte for byte as before.
+_IMPLIED_STEP_FIELDS = frozenset({"step", "turn_index"})
 # Fields added after checkpoints and prompt files existed: written only when set, so a line without them reads
 # (and hashes, e.g. a plan's sha256) byte for byte as before they existed.
-_OMITTED_WHEN_UNSET = frozenset(
-    {"normalized", "tools", "tool_calls", "step", "turn_index", "bridge_ids", "outcome", "source_id"}
-)
+_OMITTED_WHEN_UNSET = frozenset({"normalized", "tools", "tool_calls", "bridge_ids", "outcome", "source_id"})
 
 
 def _record_json(record: Any, skip: frozenset[str] = frozenset()) -> str:
     """A record with messages as one JSON line: messages in their dict form, fields in declaration order."""
+    if isinstance(record, Completion) and split_step_key(record.request_key) is None:
+        skip = skip | _IMPLIED_STEP_FIELDS
     body = {
         f.name: getattr(record, f.name)
         for f in fields(record)
@@ -245,9 +260,11 @@ class Completion:
     # The calls the model made in its answer (datagen.conversation.toolcalls parses them from `text`); None: it
     # made none.
     tool_calls: list[ToolCall] | None = None
-    # Every-turn mode (docs/conversations.md); None in `last` mode, so its lines are unchanged.
-    step: int | None = None  # 0-based index of this generation within the conversation
-    turn_index: int | None = None  # 0-based user turn this step answers
+    # Where this generation sits in its conversation (docs/conversations.md). A line whose request key names no step
+    # (`turns: last`) is the conversation's one step, 0 of its one generated turn 0 (the recorded history is the
+    # prompt); these two are written only in a step's line (`_IMPLIED_STEP_FIELDS`).
+    step: int = 0  # 0-based index of this generation within the conversation
+    turn_index: int = 0  # 0-based user turn this step answers
     # A step continuing its user turn after tool results: the ids sent between the previous step's output_ids
     # and this generation (tool turns + generation prompt). None on a user turn's first step.
     bridge_ids: list[int] | None = None
@@ -256,6 +273,9 @@ class Completion:
 
     def __post_init__(self) -> None:
         self.messages = _messages_in(self.messages)
+        # Built with None (as callers did before these were always ints): the implied 0.
+        self.step = self.step or 0
+        self.turn_index = self.turn_index or 0
         if self.tool_calls is not None:
             self.tool_calls = [c if isinstance(c, ToolCall) else ToolCall.from_dict(c) for c in self.tool_calls]
 

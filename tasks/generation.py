@@ -149,8 +149,8 @@ def generate_shard(
             # gets to the turn first must not send ahead of it (gate.py).
             place.enter_context(dispatcher.turn.reserved((shard_id,)))
         mode = turn_mode(spec)
-        if mode.ranked_by_work and step_tokens is None:
-            step_tokens = pilot_step_tokens(layout, spec)
+        given = step_tokens
+        step_tokens = mode.ranking_lengths(lambda: given if given is not None else pilot_step_tokens(layout, spec))
         return _ShardDriver(shard_id, layout, dispatcher, chat, spec, mode, flush_interval_s, place, step_tokens).run()
 
 
@@ -171,7 +171,7 @@ class _ShardDriver:
     ) -> None:
         self.shard_id = shard_id
         self.mode = mode
-        self.step_tokens = step_tokens if mode.ranked_by_work else None
+        self.step_tokens = mode.ranking_lengths(lambda: step_tokens)
         self.place = place  # the shard's reservation of its plan order (see the module docstring)
         self.completions_path, self.rejects_path = layout.shard_completions(shard_id), layout.shard_rejects(shard_id)
         self.prompts_path = layout.shard_prompts(shard_id)
@@ -277,7 +277,7 @@ class _ShardDriver:
                 label=self.mode.step_key(conv.prompt.prompt_id, req.step),
                 order=order,
                 # Every turn: a step goes back to the server whose radix cache holds its prefix (dispatcher.py).
-                affinity=conv.key if self.mode.continues else "",
+                affinity=self.mode.affinity(conv.key),
             )
             try:
                 fut = dispatcher.submit(job, timeout=SUBMIT_POLL_S)
@@ -288,10 +288,9 @@ class _ShardDriver:
             if not from_ready:
                 opened = None
             self.inflight.add(fut, item)
-            if not self.mode.holds_place_until_open:
-                # Its first step is in the queue: the shard's share keeps it from starving from here on, so later
-                # shards may prepare theirs (the reservation only covers a late start, e.g. a long checkpoint read).
-                self.place.close()
+            # Its first step is in the queue: where the shard's share keeps it from starving from here on, later
+            # shards may prepare theirs (the reservation only covers a late start, e.g. a long checkpoint read).
+            self.mode.first_step_queued(self.place)
 
     def _open_next(self, todo: collections.deque[Conversation], ledgers: dict[str, Ledger]) -> _Item | None:
         """The next conversation's next step (step 0, or where a crash left it); None when none is left."""
@@ -350,10 +349,7 @@ class _ShardDriver:
         )
         assert self.dispatcher is not None
         try:
-            if self.mode.continues:  # the next step is prepared (rendered) on the turn, in plan order
-                with self.dispatcher.turn((self.shard_id, conv.row)):
-                    nxt = self.steps.after(conv, req, c)
-            else:
+            with self.mode.preparing_next(self.dispatcher.turn((self.shard_id, conv.row))):
                 nxt = self.steps.after(conv, req, c)
         except Unsendable as exc:  # the next user turn cannot be rendered: its reject ends the conversation
             self.completions.write(self.steps.record(c, req, None).to_json())

@@ -38,7 +38,6 @@ from datagen.conversation.export import (
     assistant_turn,
     assistant_view,
     conversation_record,
-    steps_record,
 )
 from datagen.conversation.segments import (
     CUT_META_KEY,
@@ -599,7 +598,7 @@ class StreamingTokenizer:
                 )
             else:
                 rows.append(result)
-                self._conversations.write(conversation_record(c, self.enable_thinking))
+                self._conversations.write(conversation_record([c], self.enable_thinking))
         self._write_rows(rows)
 
     def _write_rows(self, rows: list[TokenRow]) -> None:
@@ -639,7 +638,7 @@ class StreamingTokenizer:
                 self._reject(r)
             if built.rows:
                 self._write_rows(built.rows)
-                self._conversations.write(steps_record(built.kept_steps, self.enable_thinking, built.outcome))
+                self._conversations.write(conversation_record(built.kept_steps, self.enable_thinking, built.outcome))
                 self.summary.conversations += 1
                 self.summary.turns += len(built.rows)
                 self.summary.steps += len(built.kept_steps)

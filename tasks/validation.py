@@ -402,7 +402,7 @@ class ShardValidator:
                     verdict = duplicate  # else the check's verdict stays: it carries the answer's tokens
             if ended is None and verdict.accepted:
                 kept.append((c, verdict))
-                turn = c.turn_index or 0
+                turn = c.turn_index
                 continue
             # The per-sample check names a failing step first (its detail is the more precise); then the record.
             if verdict.reason is not None:
@@ -423,19 +423,19 @@ class ShardValidator:
                     c = replace(c, meta={**c.meta, ENDED_BY_REJECT_META_KEY: ended_by.reason})
                 acc.write(c.to_json() + "\n")
             if last.outcome is not None:
-                self._ended(prompt_id, last, last.turn_index or 0, last.outcome, rej)
+                self._ended(prompt_id, last, last.turn_index, last.outcome, rej)
             elif ended_by is not None:  # its next step was refused: that step's turn is the reject's row
                 self._ended(prompt_id, last, rejected_turn(last), ended_by.reason, rej)
             return
         failing, reason, detail = cut
-        failing_turn = failing.turn_index if failing.turn_index is not None else turn
-        survivors = [(c, verdict) for c, verdict in kept if (c.turn_index or 0) < failing_turn]
+        failing_turn = failing.turn_index
+        survivors = [(c, verdict) for c, verdict in kept if c.turn_index < failing_turn]
         for i, (c, verdict) in enumerate(survivors):
             self._builder.accept(c, verdict)
             if i + 1 == len(survivors):  # the published conversation ends here, and says why
                 c = replace(c, meta={**c.meta, CUT_META_KEY: cut_outcome(reason)})
             acc.write(c.to_json() + "\n")
-        dropped = [c for c in steps if (c.turn_index or 0) >= failing_turn]
+        dropped = [c for c in steps if c.turn_index >= failing_turn]
         for seg in segments(dropped):
             first = seg.steps[0]
             if seg.turn_index == failing_turn:

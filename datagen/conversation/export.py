@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
@@ -35,7 +36,6 @@ __all__ = [
     "assistant_view",
     "conversation_record",
     "split_reasoning",
-    "steps_record",
 ]
 
 CONVERSATIONS_DIR = "conversations"
@@ -92,7 +92,7 @@ def assistant_turn(c: Completion, enable_thinking: bool, step: int | None = None
     (datagen.conversation.regeneration.paired_calls).
     """
     reasoning, answer = split_reasoning(c.text, enable_thinking)
-    step = step if step is not None else c.step or 0
+    step = step if step is not None else c.step
     calls = (
         tuple(
             call if call.id is not None else replace(call, id=f"call_{step}_{i}") for i, call in enumerate(c.tool_calls)
@@ -112,8 +112,19 @@ def assistant_view(m: Message) -> tuple[str, str | None, list[tuple[str, Any]]]:
     return m.text, m.reasoning_content, calls
 
 
-def conversation_record(c: Completion, enable_thinking: bool) -> dict[str, Any]:
-    """One published line: the prompt's messages plus the regenerated turn, in SpecForge's schema."""
+def conversation_record(
+    steps: Sequence[Completion], enable_thinking: bool, outcome: str | None = None
+) -> dict[str, Any]:
+    """A conversation as one published line, in SpecForge's schema: its last kept step's history plus that step's
+    generated turn (a conversation of one step: the prompt's messages plus the regenerated turn).
+
+    That history already holds every earlier kept step as an assistant turn (content, reasoning, calls) with the
+    recorded tool turns spliced between them, and the system and user turns (tokenization checks it against the
+    steps). `outcome` (why the conversation ended, docs/conversations.md) is a key SpecForge and speculators do
+    not read; omitted when unknown (a conversation whose next step generation rejected: its reject row says why)
+    and where the mode publishes none (`turns: last`).
+    """
+    c = steps[-1]
     record: dict[str, Any] = {
         "id": c.prompt_id,
         "conversations": [_message_json(m) for m in [*c.messages, assistant_turn(c, enable_thinking)]],
@@ -125,19 +136,6 @@ def conversation_record(c: Completion, enable_thinking: bool) -> dict[str, Any]:
         record["location"] = c.location
     if c.source_id is not None:
         record["source_id"] = c.source_id
-    return record
-
-
-def steps_record(steps: list[Completion], enable_thinking: bool, outcome: str | None) -> dict[str, Any]:
-    """An every-turn conversation as one published line: the last kept step's history plus its generated turn.
-
-    That history already holds every earlier kept step as an assistant turn (content, reasoning, calls) with the
-    recorded tool turns spliced between them, and the system and user turns (tokenization checks it against the
-    steps). `outcome` (why the conversation ended, docs/conversations.md) is a key SpecForge and speculators do
-    not read; omitted when unknown (a conversation whose next step generation rejected: its reject row says why).
-    """
-    last = steps[-1]
-    record = conversation_record(last, enable_thinking)
     if outcome is not None:
         record["outcome"] = outcome
     return record

@@ -36,7 +36,7 @@ from datagen.chat import TemplateError
 from datagen.conversation.export import assistant_turn, assistant_view
 from datagen.conversation.segments import cut_outcome
 from datagen.conversation.toolcalls import answer_text, parse_tool_calls
-from datagen.records import Completion, Message, Prompt, ToolCall
+from datagen.records import STEP_KEY_SEPARATOR, Completion, Message, Prompt, ToolCall, split_step_key
 from datagen.sources.preparation import Preparer, Unsendable
 
 __all__ = [
@@ -88,19 +88,12 @@ OUTCOMES = frozenset(
 # it fails.
 StepCheck = Callable[[Completion], tuple[str, str] | None]
 
-STEP_KEY_SEPARATOR = ":step-"  # a step's request key: the conversation's request key + ":step-N"
 _TOOL_RESPONSE = ("<tool_response>", "</tool_response>")
 
 
 def step_key(conversation_key: str, step: int) -> str:
     """The request key of step `step` of the conversation whose request key is `conversation_key`."""
     return f"{conversation_key}{STEP_KEY_SEPARATOR}{step}"
-
-
-def split_step_key(key: str) -> tuple[str, int] | None:
-    """(conversation key, step) of a step's request key; None for a key of another form (a `last` mode key)."""
-    base, sep, n = key.rpartition(STEP_KEY_SEPARATOR)
-    return (base, int(n)) if sep and n.isdigit() else None
 
 
 def follows(before: Completion, after: Completion, enable_thinking: bool) -> bool:
@@ -336,7 +329,6 @@ class Regenerator:
         and the next one's bridge. Raises ValueError when they do not add up to what the line says was sent.
         """
         last = steps[-1]
-        assert last.step is not None and last.turn_index is not None
         turn = [s for s in steps if s.turn_index == last.turn_index]
         ids = self.preparer(turn[0].messages, script.tools)
         for before, s in pairwise(turn):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from datagen.records import Completion
+from datagen.records import Completion, split_step_key
 
 __all__ = [
     "CUT_META_KEY",
@@ -84,7 +84,7 @@ def segments(steps: list[Completion]) -> list[Segment]:
         if out and out[-1].turn_index == c.turn_index:
             out[-1] = Segment(out[-1].turn_index, (*out[-1].steps, c))
         else:
-            out.append(Segment(c.turn_index or 0, (c,)))
+            out.append(Segment(c.turn_index, (c,)))
     return out
 
 
@@ -93,7 +93,7 @@ def rejected_turn(last: Completion | None) -> int:
     functions (a continuation after its results), else the next one; turn 0 when there is no step before it."""
     if last is None:
         return 0
-    turn = last.turn_index or 0
+    turn = last.turn_index
     return turn if last.tool_calls else turn + 1
 
 
@@ -111,7 +111,8 @@ def ending_verdict(c: Completion, expected_step: int, previous_turn: int) -> tup
     can follow it (`truncated`, or finish reason `length` however `reject_truncated` is set) or because a
     per-turn check failed (`rejected_<reason>`: that reason), and a step out of sequence.
     """
-    if c.step != expected_step or c.turn_index is None or c.turn_index < previous_turn:
+    # A line whose key names no step (a `last` run's) is no step of a conversation generated turn by turn.
+    if split_step_key(c.request_key) is None or c.step != expected_step or c.turn_index < previous_turn:
         return MISSING_STEP, (
             f"{where(c)}: expected step {expected_step} (turns in order from {previous_turn}); "
             "an earlier step is missing from the checkpoint"

@@ -17,10 +17,11 @@ never the spec:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 from datagen.chat import ChatTokenizer, Tools
 from datagen.checks.quality import check_completion
@@ -52,6 +53,9 @@ __all__ = [
     "turn_mode",
     "work_left",
 ]
+
+
+_Lengths = TypeVar("_Lengths")
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +156,27 @@ class TurnMode(ABC):
     def holds_place_until_open(self) -> bool:
         """The shard keeps its plan-order reservation until every conversation is open (else: its first step)."""
         return not self.continues
+
+    def ranking_lengths(self, lengths: Callable[[], _Lengths]) -> _Lengths | None:
+        """The expected step lengths the schedule ranks conversations by (`lengths()`, read only where the mode
+        ranks by work left); None: the plan order is the rank."""
+        return lengths() if self.ranked_by_work else None
+
+    def affinity(self, key: str) -> str:
+        """The dispatcher's affinity of a step of the conversation keyed `key`: the conversation where a later step
+        reuses an earlier one's prefix (its server's radix cache holds it), else none."""
+        return key if self.continues else ""
+
+    def preparing_next(self, turn: AbstractContextManager[None]) -> AbstractContextManager[None]:
+        """What a conversation's next step is prepared under: the plan-order `turn` where one can follow (it is
+        rendered there, in plan order), else nothing."""
+        return turn if self.continues else nullcontext()
+
+    def first_step_queued(self, place: ExitStack) -> None:
+        """A conversation's first step is in the dispatcher's queue: release the shard's plan-order `place` unless
+        the shard keeps it until every conversation is open."""
+        if not self.holds_place_until_open:
+            place.close()
 
     @abstractmethod
     def identity_preparers(self, spec: RunSpec, chat: ChatTokenizer) -> tuple[Preparer, Preparer | None]:

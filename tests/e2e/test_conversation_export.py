@@ -58,7 +58,7 @@ def test_record_has_specforge_keys_and_arrow_safe_fields() -> None:
     c = _completion(
         "r</think>\n\nok <tool_call>x</tool_call>", tools=tools, tool_calls=[ToolCall(name="f", arguments={"a": 1})]
     )
-    rec = conversation_record(c, enable_thinking=True)
+    rec = conversation_record([c], enable_thinking=True)
     assert list(rec) == ["id", "conversations", "tools"]
     assert json.loads(rec["tools"]) == tools
     user, turn = rec["conversations"]
@@ -70,7 +70,7 @@ def test_record_has_specforge_keys_and_arrow_safe_fields() -> None:
         # Issue 47.10: each generated call has an OpenAI id (`call_<step>_<i>`), which results would answer.
         "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}, "id": "call_0_0"}],
     }
-    assert list(conversation_record(_completion("a</think>b"), True)) == ["id", "conversations"]
+    assert list(conversation_record([_completion("a</think>b")], True)) == ["id", "conversations"]
 
 
 def test_writer_names_parts_like_the_data_files(tmp_path: Path) -> None:

@@ -171,7 +171,7 @@ def test_a_conversation_as_the_exporter_writes_it_reads_back(s3_store: ObjectSto
     )
     root = tmp_path / "ds"
     (root / "conversations").mkdir(parents=True)
-    record = conversation_record(completion, enable_thinking=True)
+    record = conversation_record([completion], enable_thinking=True)
     (root / "conversations" / "conversations-00000-of-00001.jsonl").write_text(json.dumps(record) + "\n")
     publish(root, "conv_export", s3_store, {"model_path": "m", "engine": "standin"})
     found = find_conversation(s3_store, "conv_export", "p-1")

@@ -279,8 +279,10 @@ def test_a_continuing_step_that_does_not_extend_the_row_is_a_tokenize_reject(
 
 
 def test_last_mode_lines_carry_no_turn_fields(chat: ChatTokenizer) -> None:
-    """The new Completion fields are omitted when unset: `last`-mode checkpoint lines are unchanged."""
-    c = replace(three_turn_tool_conversation(chat).steps[0], step=None, turn_index=None, outcome=None)
+    """The step fields are implied by a key that names no step: `last`-mode checkpoint lines are unchanged."""
+    first = three_turn_tool_conversation(chat).steps[0]
+    c = replace(first, request_key=first.request_key.rpartition(":step-")[0], outcome=None)
+    assert (c.step, c.turn_index) == (0, 0)
     body = json.loads(c.to_json())
     assert not {"step", "turn_index", "bridge_ids", "outcome"} & body.keys()
     last = json.loads(three_turn_tool_conversation(chat).steps[-1].to_json())

@@ -66,10 +66,12 @@ def test_the_new_completion_fields_are_omitted_when_unset_and_read_back() -> Non
     line = step("p", 0, 0, 3).to_json()
     body = json.loads(line)
     assert list(body)[-2:] == ["step", "turn_index"] and "bridge_ids" not in body and "outcome" not in body
-    # A `last` mode line (no step fields) writes back byte for byte, without any of them.
+    # A `last` mode line (no step fields, a key naming no step) reads as its conversation's one step (step 0 of user
+    # turn 0) and writes back byte for byte, without any of them.
+    body["request_key"] = "p-key"
     legacy = json.dumps({k: v for k, v in body.items() if k not in ("step", "turn_index")}, ensure_ascii=False)
     read = Completion.from_json(legacy)
-    assert (read.step, read.turn_index, read.bridge_ids, read.outcome) == (None, None, None, None)
+    assert (read.step, read.turn_index, read.bridge_ids, read.outcome) == (0, 0, None, None)
     assert read.to_json() == legacy
     back = Completion.from_json(step("p", 2, 1, 3, bridge=[7, 8], outcome="complete").to_json())
     assert (back.step, back.turn_index, back.bridge_ids, back.outcome) == (2, 1, [7, 8], "complete")
